@@ -1,0 +1,120 @@
+"""Graph optimizer for PyTorch-exported CNNs.
+
+``optimize(model, config) -> (model, report)``: raises the opset where that is safe (so that
+``HardSwish`` exists), runs the pass pipeline to a fixed point, checks the result with
+``onnx.checker`` and verifies it numerically against the original on ONNX Runtime's CPU provider.
+This package imports nothing from ``service.api`` or ``service.runtime``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from service.errors import InvalidModelError, OptimizationError
+from service.optimizer.opset import default_opset, upgrade_opset
+from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_pipeline
+from service.optimizer.report import OptimizationReport, PassStat, op_histogram
+from service.optimizer.verify import verify_equivalent
+
+# Bump when a pass changes what it writes: it invalidates every cached optimized model.
+OPTIMIZER_VERSION = "1"
+# ONNX Runtime 1.2x-1.3x reads IR versions up to 10-13; never write a newer one than we need.
+MAX_IR_VERSION = 10
+
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "OPTIMIZER_VERSION",
+    "OptimizationReport",
+    "OptimizerConfig",
+    "PassSpec",
+    "PassStat",
+    "optimize",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    fused_conv: bool = True
+    """Emit com.microsoft.FusedConv for Conv+Relu and Conv+Add+Relu (ONNX Runtime only)."""
+    verify: bool = True
+    """Check the result numerically against the original; a mismatch raises VerificationError."""
+    verify_batch_sizes: tuple[int, ...] = (1, 2)
+    verify_trials: int = 2
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    max_iterations: int = 8
+    seed: int = 0
+
+    def cache_fields(self) -> dict[str, object]:
+        """The settings that change the optimized graph (part of the store's cache key)."""
+        return {"fused_conv": self.fused_conv, "optimizer_version": OPTIMIZER_VERSION}
+
+
+def optimize(
+    model: onnx.ModelProto, config: OptimizerConfig | None = None
+) -> tuple[onnx.ModelProto, OptimizationReport]:
+    """Return the optimized model and a report. Raises InvalidModelError / OptimizationError."""
+    config = config or OptimizerConfig()
+    started = time.perf_counter()
+    _check(model, "input model is not a valid ONNX model")
+    report = OptimizationReport(
+        optimizer_version=OPTIMIZER_VERSION,
+        config=dataclasses.asdict(config),
+        nodes_before=len(model.graph.node),
+        opset_before=default_opset(model),
+        ops_before=op_histogram(model),
+    )
+    working = upgrade_opset(model)
+    try:
+        graph = gs.import_onnx(working)
+        report.iterations, report.passes = run_pipeline(graph, config)
+        optimized = _export(graph, template=working)
+    except (InvalidModelError, OptimizationError):
+        raise
+    except Exception as exc:  # a pass met a graph it cannot handle: refuse cleanly, never serve it
+        raise OptimizationError(f"optimizer failed: {type(exc).__name__}: {exc}") from exc
+    _check(optimized, "optimizer produced an invalid model", full=True)
+    report.nodes_after = len(optimized.graph.node)
+    report.opset_after = default_opset(optimized)
+    report.ops_after = op_histogram(optimized)
+    if config.verify:
+        result = verify_equivalent(
+            model,
+            optimized,
+            batch_sizes=config.verify_batch_sizes,
+            trials=config.verify_trials,
+            rtol=config.rtol,
+            atol=config.atol,
+            seed=config.seed,
+        )
+        report.verified = True
+        report.max_abs_diff = result.max_abs_diff
+        report.max_rel_diff = result.max_rel_diff
+        report.verify_batch_sizes = list(result.batch_sizes)
+    report.duration_s = time.perf_counter() - started
+    return optimized, report
+
+
+def _export(graph: gs.Graph, template: onnx.ModelProto) -> onnx.ModelProto:
+    optimized = gs.export_onnx(graph, do_type_check=True)
+    required_ir = onnx.helper.find_min_ir_version_for(list(optimized.opset_import), ignore_unknown=True)
+    optimized.ir_version = min(max(template.ir_version, required_ir), max(MAX_IR_VERSION, required_ir))
+    optimized.producer_name = "onnx-cnn-serve"
+    optimized.producer_version = OPTIMIZER_VERSION
+    optimized.doc_string = template.doc_string
+    del optimized.metadata_props[:]
+    optimized.metadata_props.extend(template.metadata_props)
+    return optimized
+
+
+def _check(model: onnx.ModelProto, message: str, *, full: bool = False) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=full)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        error = InvalidModelError if "input" in message else OptimizationError
+        raise error(f"{message}: {first_line}") from exc

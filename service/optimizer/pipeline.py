@@ -1,0 +1,104 @@
+"""The pass registry and the fixed-point driver.
+
+A pass is ``fn(graph: gs.Graph) -> int`` returning how many rewrites it made. Passes never call
+``cleanup()`` or ``toposort()``: the pipeline does, after every pass that rewrote something. The whole
+list is repeated until an iteration makes no rewrite (or ``max_iterations`` is reached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import onnx_graphsurgeon as gs
+
+from service.optimizer.passes.constants_to_initializers import constants_to_initializers
+from service.optimizer.passes.eliminate_identity import eliminate_identity
+from service.optimizer.passes.eliminate_noop_cast import eliminate_noop_cast
+from service.optimizer.passes.eliminate_noop_reshape import eliminate_noop_reshape
+from service.optimizer.passes.fold_constants import fold_constants
+from service.optimizer.passes.fuse_bn_into_conv import fuse_bn_into_conv
+from service.optimizer.passes.fuse_bn_into_gemm import fuse_bn_into_gemm
+from service.optimizer.passes.fuse_conv_add_relu_into_fusedconv import fuse_conv_add_relu_into_fusedconv
+from service.optimizer.passes.fuse_conv_relu_into_fusedconv import fuse_conv_relu_into_fusedconv
+from service.optimizer.passes.fuse_elementwise_into_conv import fuse_elementwise_into_conv
+from service.optimizer.passes.fuse_hardsigmoid import fuse_hardsigmoid
+from service.optimizer.passes.fuse_hardswish import fuse_hardswish
+from service.optimizer.passes.fuse_matmul_add_into_gemm import fuse_matmul_add_into_gemm
+from service.optimizer.passes.fuse_mul_hardsigmoid_into_hardswish import fuse_mul_hardsigmoid_into_hardswish
+
+if TYPE_CHECKING:
+    from service.optimizer import OptimizerConfig
+    from service.optimizer.report import PassStat
+
+Pass = Callable[[gs.Graph], int]
+
+
+def _always(_config: OptimizerConfig) -> bool:
+    return True
+
+
+def _fused_conv_enabled(config: OptimizerConfig) -> bool:
+    return config.fused_conv
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSpec:
+    name: str
+    run: Pass
+    enabled: Callable[[OptimizerConfig], bool] = _always
+
+
+def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always) -> PassSpec:
+    return PassSpec(fn.__name__, fn, enabled)
+
+
+# Explicit order: clean up first, then fold normalisation and constants into convolutions, then the
+# activation fusions, and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
+DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
+    _spec(constants_to_initializers),
+    _spec(eliminate_identity),
+    _spec(eliminate_noop_cast),
+    _spec(eliminate_noop_reshape),
+    _spec(fold_constants),
+    _spec(fuse_bn_into_conv),
+    _spec(fuse_bn_into_gemm),
+    _spec(fuse_matmul_add_into_gemm),
+    _spec(fuse_elementwise_into_conv),
+    _spec(fuse_hardsigmoid),
+    _spec(fuse_hardswish),
+    _spec(fuse_mul_hardsigmoid_into_hardswish),
+    _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled),
+    _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled),
+)
+
+
+def run_pipeline(
+    graph: gs.Graph,
+    config: OptimizerConfig,
+    passes: Sequence[PassSpec] = DEFAULT_PIPELINE,
+) -> tuple[int, list[PassStat]]:
+    """Run ``passes`` to a fixed point. Returns (iterations, per-pass stats summed over iterations)."""
+    from service.optimizer.report import PassStat
+
+    active = [p for p in passes if p.enabled(config)]
+    stats = {p.name: PassStat(p.name, nodes_before=len(graph.nodes)) for p in active}
+    iterations = 0
+    while iterations < config.max_iterations:
+        iterations += 1
+        changed = 0
+        for spec in active:
+            before = len(graph.nodes)
+            rewrites = spec.run(graph)
+            if rewrites:
+                graph.cleanup(remove_unused_graph_inputs=False).toposort()
+            stat = stats[spec.name]
+            if iterations == 1:
+                stat.nodes_before = before
+            stat.rewrites += rewrites
+            stat.nodes_after = len(graph.nodes)
+            changed += rewrites
+        if not changed:
+            break
+    return iterations, list(stats.values())

@@ -1,0 +1,80 @@
+"""What the optimizer did: per-pass rewrites, node counts and op histograms, the verification result."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import onnx
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Node count per op type of the main graph (domain-qualified outside the default domain)."""
+    counts = Counter(
+        node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        for node in model.graph.node
+    )
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+@dataclasses.dataclass
+class PassStat:
+    name: str
+    rewrites: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+
+@dataclasses.dataclass
+class OptimizationReport:
+    optimizer_version: str
+    config: dict[str, Any]
+    nodes_before: int = 0
+    nodes_after: int = 0
+    opset_before: int = 0
+    opset_after: int = 0
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    passes: list[PassStat] = dataclasses.field(default_factory=list)
+    iterations: int = 0
+    verified: bool = False
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    verify_batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OptimizationReport:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["passes"] = [PassStat(**p) for p in data.get("passes", [])]
+        return cls(**kwargs)
+
+    def summary(self) -> str:
+        """Human-readable multi-line summary (the CLI prints it)."""
+        lines = [
+            f"nodes: {self.nodes_before} -> {self.nodes_after}   opset: {self.opset_before} -> {self.opset_after}"
+            f"   iterations: {self.iterations}   time: {self.duration_s:.2f} s",
+            "passes:",
+        ]
+        for stat in self.passes:
+            if stat.rewrites:
+                lines.append(
+                    f"  {stat.name:<40} rewrites {stat.rewrites:>4}   nodes {stat.nodes_before} -> {stat.nodes_after}"
+                )
+        if not any(stat.rewrites for stat in self.passes):
+            lines.append("  (no rewrites)")
+        lines.append("ops before: " + ", ".join(f"{op} {n}" for op, n in self.ops_before.items()))
+        lines.append("ops after:  " + ", ".join(f"{op} {n}" for op, n in self.ops_after.items()))
+        if self.verified:
+            lines.append(
+                f"verified: max |diff| {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}"
+                f" (batch sizes {self.verify_batch_sizes})"
+            )
+        else:
+            lines.append("verified: no (verification disabled)")
+        return "\n".join(lines)

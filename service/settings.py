@@ -1,0 +1,121 @@
+"""Service configuration (pydantic-settings).
+
+Every field is documented; environment variables use the prefix ``SERVICE_`` and ``__`` for nested
+groups, e.g. ``SERVICE_ADMIN_TOKEN``, ``SERVICE_BATCHING__MAX_BATCH_SIZE``, ``SERVICE_ENGINE__DEVICE``.
+No settings object lives at module level: ``create_app(settings)`` keeps it on ``app.state``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+class BatchingSettings(BaseModel):
+    """Dynamic batching defaults; a model's stored config may override them."""
+
+    enabled: bool = Field(True, description="Group concurrent requests into one engine call.")
+    max_batch_size: int = Field(
+        64, ge=1, le=4096, description="Most samples in one engine call (a request's own batch counts N)."
+    )
+    max_delay_ms: float = Field(
+        2.0, ge=0.0, le=1000.0, description="Longest wait for more requests after the first one queued."
+    )
+    queue_size: int = Field(
+        1024, ge=1, le=1_000_000, description="Most samples waiting per model; beyond it requests get 503."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="Per-request deadline, queueing and compute together (504)."
+    )
+
+
+class EngineSettings(BaseModel):
+    """ONNX Runtime engine settings."""
+
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto: CUDA when usable, else CPU. cuda: fail the model load if CUDA is not usable."
+    )
+    device_id: int = Field(0, ge=0, description="CUDA device ordinal.")
+    buckets: tuple[int, ...] = Field(
+        DEFAULT_BUCKETS,
+        description="Batch-size buckets: one IO binding (and CUDA graph) each; inputs are padded up to a bucket.",
+    )
+    cuda_graph: bool = Field(True, description="Capture one CUDA graph per bucket (CUDA only).")
+    prefer_nhwc: Literal["auto", "on", "off"] = Field(
+        "auto", description="CUDA EP prefer_nhwc; auto lets the load-time tuner measure both."
+    )
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
+        "EXHAUSTIVE", description="cuDNN convolution algorithm search (EXHAUSTIVE costs time at warm-up only)."
+    )
+    autotune: bool = Field(True, description="Time candidate variants at load and serve the fastest (CUDA only).")
+    autotune_budget_s: float = Field(60.0, ge=0.0, le=3600.0, description="Time budget of the load-time tuner.")
+    intra_op_threads: int = Field(0, ge=0, le=256, description="ORT intra-op threads on CPU (0: ORT default).")
+
+    @field_validator("buckets")
+    @classmethod
+    def _sorted_unique_positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value:
+            raise ValueError("at least one bucket is required")
+        if any(b < 1 or b > 4096 for b in value):
+            raise ValueError("buckets must be between 1 and 4096")
+        return tuple(sorted(set(value)))
+
+
+class OptimizerSettings(BaseModel):
+    """Graph optimizer settings applied to uploads (a model's stored config may override them)."""
+
+    fused_conv: bool = Field(True, description="Allow com.microsoft.FusedConv (Conv+Relu, Conv+Add+Relu).")
+    verify: bool = Field(True, description="Check the optimized model against the original before serving.")
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="Wall-clock limit of optimize+verify per model.")
+    memory_limit_mb: int = Field(
+        4096, ge=256, le=1_000_000, description="Address-space limit of the optimizer child process."
+    )
+
+
+class ServiceSettings(BaseSettings):
+    """All service settings. Env prefix ``SERVICE_``; nested groups with ``__``."""
+
+    model_config = SettingsConfigDict(env_prefix="SERVICE_", env_nested_delimiter="__", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Bind address. Loopback unless told otherwise.")
+    port: int = Field(8000, ge=0, le=65535, description="Bind port (0: pick a free one).")
+    model_dir: Path = Field(Path("models"), description="Durable model repository.")
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token for management endpoints; unset disables them (403)."
+    )
+    max_upload_mb: int = Field(512, ge=1, le=16384, description="Largest accepted model upload, in MiB.")
+    max_request_mb: int = Field(64, ge=1, le=4096, description="Largest accepted inference request body, in MiB.")
+    demo_model: bool = Field(True, description="Install the zoo's mobilenet_v3_large in a fresh store.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
+    precision: Literal["fp32", "fp16"] = Field("fp32", description="Default precision for new models.")
+
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+
+    @field_validator("host")
+    @classmethod
+    def _valid_host(cls, value: str) -> str:
+        if value == "localhost":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise ValueError(f"host must be an IP address or 'localhost', got {value!r}") from exc
+        return value
+
+    @field_validator("admin_token")
+    @classmethod
+    def _strong_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value() and len(value.get_secret_value()) < 16:
+            raise ValueError("admin_token must be at least 16 characters")
+        if value is not None and not value.get_secret_value():
+            return None
+        return value
