@@ -54,8 +54,10 @@ def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always) -> Pas
     return PassSpec(fn.__name__, fn, enabled)
 
 
-# Explicit order: clean up first, then fold normalisation and constants into convolutions, then the
-# activation fusions, and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
+# Explicit order: clean up first, then fold normalisation into convolutions, then the activation
+# fusions, then constants into convolutions (after the activations: it would otherwise fold the
+# ``+ 3`` / ``/ 6`` of a hard-sigmoid that follows a conv into the conv and leave an unmatchable Clip),
+# and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
 DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(constants_to_initializers),
     _spec(eliminate_identity),
@@ -65,10 +67,10 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(fuse_bn_into_conv),
     _spec(fuse_bn_into_gemm),
     _spec(fuse_matmul_add_into_gemm),
-    _spec(fuse_elementwise_into_conv),
     _spec(fuse_hardsigmoid),
     _spec(fuse_hardswish),
     _spec(fuse_mul_hardsigmoid_into_hardswish),
+    _spec(fuse_elementwise_into_conv),
     _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled),
     _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled),
 )
@@ -83,7 +85,7 @@ def run_pipeline(
     from service.optimizer.report import PassStat
 
     active = [p for p in passes if p.enabled(config)]
-    stats = {p.name: PassStat(p.name, nodes_before=len(graph.nodes)) for p in active}
+    stats = {p.name: PassStat(p.name) for p in active}
     iterations = 0
     while iterations < config.max_iterations:
         iterations += 1
@@ -93,11 +95,12 @@ def run_pipeline(
             rewrites = spec.run(graph)
             if rewrites:
                 graph.cleanup(remove_unused_graph_inputs=False).toposort()
-            stat = stats[spec.name]
-            if iterations == 1:
-                stat.nodes_before = before
-            stat.rewrites += rewrites
-            stat.nodes_after = len(graph.nodes)
+            if rewrites:
+                stat = stats[spec.name]
+                if not stat.rewrites:
+                    stat.nodes_before = before
+                stat.rewrites += rewrites
+                stat.nodes_after = len(graph.nodes)
             changed += rewrites
         if not changed:
             break
