@@ -74,7 +74,7 @@ class OptimizerSettings(BaseModel):
     verify: bool = Field(True, description="Check the optimized model against the original before serving.")
     timeout_s: float = Field(300.0, gt=0, le=3600, description="Wall-clock limit of optimize+verify per model.")
     memory_limit_mb: int = Field(
-        4096, ge=256, le=1_000_000, description="Address-space limit of the optimizer child process."
+        4096, ge=512, le=1_000_000, description="Address-space limit of the optimizer child process."
     )
 
 

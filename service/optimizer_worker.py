@@ -1,0 +1,381 @@
+"""Validate + optimize (+ verify) one model in a resource-limited child process.
+
+Why a child process: an uploaded model is hostile until proven otherwise. Constant folding and ONNX
+Runtime (during verification) may be asked to materialize huge tensors (a 152-byte ConstantOfShape can
+ask for gigabytes), protobuf parsing of a crafted file may take a lot of memory, and a pass may loop. In
+a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, such a model costs one
+failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
+(``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
+
+Protocol: ``python -m service.optimizer_worker INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
+--memory-limit-mb N``. The child writes the optimized variants into OUT_DIR (``optimized.onnx``, and
+``optimized-plain.onnx`` when FusedConv changed the graph) and ``result.json`` last. The parent reads
+only ``result.json``; a missing or unreadable one means the child crashed.
+
+Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
+FusedConv) is often faster on CUDA (FusedConv has no NHWC form). The engine's tuner measures both, so
+both are produced when FusedConv is allowed and actually fused something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from service.errors import (
+    InsufficientStorageError,
+    InvalidModelError,
+    OptimizationError,
+    ServiceError,
+    UnprocessableError,
+    VerificationError,
+)
+
+log = logging.getLogger(__name__)
+
+RESULT = "result.json"
+FUSED_FILE = "optimized.onnx"
+PLAIN_FILE = "optimized-plain.onnx"
+_OUTPUT_TAIL = 4000
+_MEMORY_WORDS = ("bad_alloc", "failed to allocate", "cannot allocate memory", "memoryerror", "out of memory")
+# Errors the child may report, by class name; anything else becomes a plain OptimizationError.
+_ERRORS: dict[str, type[ServiceError]] = {
+    cls.__name__: cls
+    for cls in (
+        InvalidModelError,
+        OptimizationError,
+        VerificationError,
+        UnprocessableError,
+        InsufficientStorageError,
+    )
+}
+
+
+@dataclasses.dataclass
+class OptimizeOutcome:
+    """What the parent gets back: the files in ``out_dir`` and what the child reported."""
+
+    out_dir: Path
+    sha256: str
+    size: int
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    variants: dict[str, dict[str, Any]]
+    """variant name ("fused" / "plain") -> {"file": artifact file name, "report": OptimizationReport dict}"""
+    duration_s: float
+
+    def files(self) -> dict[str, Path]:
+        return {v["file"]: self.out_dir / v["file"] for v in self.variants.values()}
+
+
+class _Job:
+    """Links an async caller to its child: cancelling the caller kills the child, even one that the
+    worker thread starts only after the cancellation."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._cancelled = False
+
+    def started(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._proc = proc
+            cancelled = self._cancelled
+        if cancelled:
+            _kill(proc)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            proc = self._proc
+        if proc is not None:
+            _kill(proc)
+
+
+class OptimizerRunner:
+    """Starts optimizer children and remembers the live ones, so shutdown can kill them."""
+
+    def __init__(self, *, timeout_s: float, memory_limit_mb: int) -> None:
+        self.timeout_s = timeout_s
+        self.memory_limit_mb = memory_limit_mb
+        self._live: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+
+    async def run(self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> OptimizeOutcome:
+        """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
+        If the caller is cancelled (client gone, shutdown), the child is killed."""
+        job = _Job()
+        try:
+            return await asyncio.to_thread(
+                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, job=job
+            )
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+    def run_sync(
+        self,
+        source: Path,
+        out_dir: Path,
+        *,
+        fused_conv: bool,
+        verify: bool,
+        job: _Job | None = None,
+    ) -> OptimizeOutcome:
+        started = time.monotonic()
+        command = [
+            sys.executable, "-m", "service.optimizer_worker", str(source), str(out_dir),
+            "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
+            "--memory-limit-mb", str(self.memory_limit_mb),
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_child_env(),
+            start_new_session=True,
+        )
+        with self._lock:
+            self._live.add(proc)
+        if job is not None:
+            job.started(proc)
+        try:
+            try:
+                output, _ = proc.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                proc.communicate()
+                raise OptimizationError(
+                    f"optimization timed out after {self.timeout_s:g} s (limit: optimizer.timeout_s)"
+                ) from None
+        finally:
+            with self._lock:
+                self._live.discard(proc)
+        elapsed = time.monotonic() - started
+        return _read_result(out_dir, proc.returncode, output, elapsed, self.memory_limit_mb)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            live = list(self._live)
+        for proc in live:
+            _kill(proc)
+
+
+async def optimize_in_child(
+    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, timeout_s: float, memory_limit_mb: int
+) -> OptimizeOutcome:
+    """One-shot convenience around ``OptimizerRunner``."""
+    runner = OptimizerRunner(timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
+    return await runner.run(source, out_dir, fused_conv=fused_conv, verify=verify)
+
+
+# ---------------------------------------------------------------------- parent side helpers
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    project_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, env.get("PYTHONPATH", "")) if p)
+    # Few malloc arenas and few threads keep the reserved address space close to what is really used.
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+def _read_result(
+    out_dir: Path, returncode: int, output: bytes, duration_s: float, limit_mb: int
+) -> OptimizeOutcome:
+    tail = output[-_OUTPUT_TAIL:].decode("utf-8", "replace")
+    try:
+        result = json.loads((out_dir / RESULT).read_bytes())
+    except (OSError, ValueError):
+        result = None
+    if not isinstance(result, dict):
+        log.warning("optimizer child exited with %s without a result; output tail:\n%s", returncode, tail)
+        if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or _looks_like_oom(tail):
+            raise OptimizationError(
+                f"optimization exceeded the memory limit of {limit_mb} MiB or crashed "
+                "(limit: optimizer.memory_limit_mb)"
+            )
+        raise OptimizationError(f"optimization failed: the optimizer process exited with status {returncode}")
+    if not result.get("ok"):
+        if result.get("error") == "memory":
+            raise OptimizationError(
+                f"optimization exceeded the memory limit of {limit_mb} MiB (limit: optimizer.memory_limit_mb)"
+            )
+        error = _ERRORS.get(str(result.get("error")), OptimizationError)
+        raise error(str(result.get("message") or "optimization failed"))
+    return OptimizeOutcome(
+        out_dir=out_dir,
+        sha256=result["sha256"],
+        size=result["size"],
+        inputs=result["inputs"],
+        outputs=result["outputs"],
+        variants=result["variants"],
+        duration_s=duration_s,
+    )
+
+
+def _looks_like_oom(text: str) -> bool:
+    lowered = text.lower()
+    return any(word in lowered for word in _MEMORY_WORDS)
+
+
+# ---------------------------------------------------------------------- child side
+
+
+def _limit_resources(memory_limit_mb: int) -> None:
+    import resource
+
+    limit = memory_limit_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with contextlib.suppress(Exception):  # Linux: die with the parent, never orphaned
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+
+
+def _spec_dict(spec: Any) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": spec.dtype.str, "shape": list(spec.shape)}
+
+
+def _fused_conv_count(model: Any) -> int:
+    return sum(1 for n in model.graph.node if n.op_type == "FusedConv" and n.domain == "com.microsoft")
+
+
+def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict[str, Any]:
+    import hashlib
+
+    from service.optimizer import OptimizerConfig, optimize
+    from service.optimizer.io import parse_model_bytes
+    from service.validation import model_signature, validate_model
+
+    data = source.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    model = parse_model_bytes(data)
+    del data
+    validate_model(model)
+    inputs, outputs = model_signature(model)
+    variants: dict[str, dict[str, Any]] = {}
+    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify))
+    fused_made = _fused_conv_count(first) > _fused_conv_count(model)
+    if not verify:
+        _smoke_run(first)
+    _save_variant(first, out_dir / FUSED_FILE)
+    if fused_made:
+        variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        del first
+        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify))
+        _save_variant(plain, out_dir / PLAIN_FILE)
+        variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
+    else:
+        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+    return {
+        "ok": True,
+        "sha256": digest,
+        "size": source.stat().st_size,
+        "inputs": [_spec_dict(s) for s in inputs],
+        "outputs": [_spec_dict(s) for s in outputs],
+        "variants": variants,
+    }
+
+
+def _smoke_run(model: Any) -> None:
+    """With verification off, still run the model once here (batch 1, random inputs), under the limits:
+    a graph that allocates absurd memory when run must fail in this child, not in the server."""
+    from service.optimizer.verify import verify_equivalent
+
+    verify_equivalent(model, model, batch_sizes=(1,), trials=1)
+
+
+def _save_variant(model: Any, path: Path) -> None:
+    """Write a variant after proving that ONNX Runtime can build a session from it here, under the memory
+    limit: session creation with ORT_ENABLE_ALL constant-folds, which is where a bomb would go off in the
+    server (this matters most when verification is switched off)."""
+    import onnxruntime as ort
+
+    data = model.SerializeToString()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        if _looks_like_oom(str(exc)):
+            raise MemoryError from exc
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OptimizationError(f"ONNX Runtime cannot load the optimized model: {first_line[:200]}") from exc
+    _write(path, data)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, MemoryError) or _looks_like_oom(f"{type(exc).__name__} {exc}"):
+        return {"ok": False, "error": "memory", "message": "memory limit exceeded"}
+    if isinstance(exc, ServiceError):
+        return {"ok": False, "error": type(exc).__name__, "message": exc.message}
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message = "not enough disk space to optimize the model"
+        return {"ok": False, "error": "InsufficientStorageError", "message": message}
+    return {"ok": False, "error": "OptimizationError", "message": f"optimizer failed ({type(exc).__name__})"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.optimizer_worker")
+    parser.add_argument("source", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--memory-limit-mb", type=int, required=True)
+    args = parser.parse_args(argv)
+    _limit_resources(args.memory_limit_mb)
+    logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
+    try:
+        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify))
+    except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
+        if not isinstance(exc, ServiceError | MemoryError):
+            logging.getLogger(__name__).warning("optimization failed", exc_info=True)
+        result = _failure(exc)
+    try:
+        _write(args.out_dir / RESULT, json.dumps(result).encode())
+    except MemoryError:
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

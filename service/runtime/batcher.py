@@ -1,0 +1,419 @@
+"""Dynamic batching in front of one engine.
+
+Concurrent requests for one model are queued, concatenated along axis 0 up to ``max_batch_size`` samples
+(or until ``max_delay_s`` has passed since the oldest one was queued), run in ONE engine call and split back
+so that every caller gets exactly its own rows. Why this shape:
+
+* The engine is not thread-safe (one IO binding, one CUDA graph per bucket), so every engine call happens
+  on a single dedicated worker thread; the asyncio task only forms batches and resolves futures.
+* The queue is bounded in *samples*, not requests: a request carrying its own batch of N counts N. When
+  it is full, ``submit`` fails at once with ``QueueFullError`` (503 + Retry-After) instead of letting
+  memory and latency grow without bound.
+* Deadlines use ``time.monotonic()``. A request whose deadline passed before its batch started is never
+  run. A caller that goes away (client disconnect: its task is cancelled) leaves the queue at once and
+  never breaks the batch it was part of.
+* Requests are only concatenated when every input has the same dtype and per-sample shape (models with
+  dynamic non-batch dims may receive differently shaped requests).
+* A request larger than ``max_batch_size`` is run alone (the engine accepts any batch size).
+* Outputs are copied per caller, so no caller ever holds a view into a buffer the engine may reuse.
+
+This module imports nothing from the web layer; errors are ``service.errors`` classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from service.errors import (
+    EngineError,
+    InvalidInputError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServiceError,
+    ShuttingDownError,
+)
+
+log = logging.getLogger(__name__)
+
+RunBatch = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+OnBatch = Callable[[int, float, float], None]
+"""Called after every engine call with (batch size in samples, longest queue wait s, compute s)."""
+
+
+@dataclasses.dataclass
+class BatchResult:
+    outputs: dict[str, np.ndarray]
+    queue_s: float
+    """Time from submit to the start of the engine call that served the request."""
+    compute_s: float
+    """Duration of that engine call (shared by every request of the batch)."""
+    batch_size: int
+    """Samples in that engine call."""
+
+
+_ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    rid: int
+    inputs: dict[str, np.ndarray]
+    n: int
+    key: _ShapeKey
+    enqueued: float
+    deadline: float
+    future: asyncio.Future[BatchResult]
+    counted: bool = True
+    """Still counted in the queue depth (until its batch is handed to the engine, or it is dropped)."""
+
+
+class Batcher:
+    """Queue + batch former + single engine thread for one loaded model version."""
+
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch_size: int,
+        max_delay_s: float,
+        queue_size: int,
+        timeout_s: float,
+        name: str = "model",
+        on_batch: OnBatch | None = None,
+    ) -> None:
+        if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0:
+            raise ValueError("need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0")
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_s
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.name = name
+        self._on_batch = on_batch
+        self._pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()
+        self._depth = 0
+        self._ids = itertools.count()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closing = False
+        self._forming: list[_Request] = []
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def queue_depth(self) -> int:
+        """Samples waiting: queued or in a batch that is still forming (not yet handed to the engine)."""
+        return self._depth
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Create the batching task and the engine thread. Call inside the running event loop."""
+        if self._task is not None:
+            raise RuntimeError("batcher already started")
+        self._wakeup = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"engine-{self.name}"[:40]
+        )
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+
+    async def submit(self, inputs: dict[str, np.ndarray]) -> BatchResult:
+        """Queue one request and wait for its rows of the batch result.
+
+        Raises QueueFullError (queue full), RequestTimeoutError (deadline passed), ShuttingDownError,
+        InvalidInputError (inconsistent batch sizes) or EngineError / the ServiceError the engine raised.
+        """
+        if self._closing or self._task is None or self._wakeup is None:
+            raise ShuttingDownError("the model is shutting down")
+        n = _batch_size(inputs)
+        if n > self.queue_size:
+            raise InvalidInputError(f"batch of {n} samples exceeds this model's limit of {self.queue_size}")
+        if self._depth + n > self.queue_size:
+            raise QueueFullError()
+        now = time.monotonic()
+        request = _Request(
+            rid=next(self._ids),
+            inputs=inputs,
+            n=n,
+            key=_shape_key(inputs),
+            enqueued=now,
+            deadline=now + self.timeout_s,
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._pending[request.rid] = request
+        self._depth += n
+        self._wakeup.set()
+        try:
+            return await asyncio.wait_for(request.future, timeout=self.timeout_s)
+        except TimeoutError:
+            raise RequestTimeoutError(f"request timed out after {self.timeout_s:g} s") from None
+        finally:
+            self._forget(request)
+
+    async def stop(
+        self, drain: bool = True, timeout_s: float | None = None, finalize: Callable[[], None] | None = None
+    ) -> None:
+        """Stop accepting requests. ``drain``: queued requests still run (up to ``timeout_s``); otherwise
+        (and for what is left at the timeout) they fail with ShuttingDownError.
+
+        An engine call cannot be interrupted: at the timeout its callers get ShuttingDownError while the
+        call finishes on the engine thread. ``finalize`` (e.g. ``engine.close``) runs on that thread after
+        the last call, so the engine is never closed under a running call; it is awaited only for what
+        is left of ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._closing = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if not drain:
+            self._fail_pending(ShuttingDownError("the model is shutting down"))
+        if self._task is not None and not self._task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=timeout_s)
+            except TimeoutError:
+                self._fail_pending(ShuttingDownError("the model is shutting down"))
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        executor, self._executor = self._executor, None
+        if finalize is None:
+            if executor is not None:
+                executor.shutdown(wait=False)
+            return
+        if executor is None:  # never started (or stopped before): nothing can be running
+            done = asyncio.ensure_future(asyncio.to_thread(finalize))
+        else:
+            done = asyncio.wrap_future(executor.submit(finalize))
+            executor.shutdown(wait=False)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout=remaining)
+        except TimeoutError:
+            log.warning("batcher %s: engine still busy; it is closed when its call ends", self.name)
+        except Exception:
+            log.exception("batcher %s: finalizing the engine failed", self.name)
+
+    # ------------------------------------------------------------------ queue bookkeeping
+
+    def _forget(self, request: _Request) -> None:
+        """Its caller is gone (done, timed out or cancelled): free its place at once."""
+        self._pending.pop(request.rid, None)
+        self._uncount(request)
+
+    def _take(self, request: _Request) -> None:
+        """Out of the queue; still counted while its batch forms."""
+        del self._pending[request.rid]
+
+    def _drop(self, request: _Request) -> None:
+        self._take(request)
+        self._uncount(request)
+
+    def _uncount(self, request: _Request) -> None:
+        if request.counted:
+            request.counted = False
+            self._depth -= request.n
+
+    def _fail_pending(self, exc: ServiceError) -> None:
+        for request in list(self._pending.values()):
+            self._drop(request)
+            _resolve_exception(request, copy.copy(exc))
+
+    # ------------------------------------------------------------------ the batching task
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            try:
+                if not self._pending:
+                    if self._closing:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                batch = await self._collect()
+                if batch:
+                    await self._execute(batch)
+            except asyncio.CancelledError:
+                error = ShuttingDownError("the model is shutting down")
+                for request in self._forming:
+                    self._uncount(request)
+                    _resolve_exception(request, copy.copy(error))
+                self._fail_pending(error)
+                raise
+            except Exception:  # never let the batching task die: the model would hang forever
+                log.exception("batcher %s: unexpected error", self.name)
+
+    def _oldest_live(self) -> _Request | None:
+        """Pop queued requests until one that may still run; expired ones fail without running."""
+        now = time.monotonic()
+        while self._pending:
+            request = next(iter(self._pending.values()))
+            if request.future.done():
+                self._drop(request)
+                continue
+            if request.deadline <= now:
+                self._drop(request)
+                _resolve_exception(request, _timeout_error(self.timeout_s))
+                continue
+            self._take(request)
+            return request
+        return None
+
+    async def _collect(self) -> list[_Request]:
+        """Form one batch: the oldest request plus compatible ones, until full or the delay passed."""
+        assert self._wakeup is not None
+        first = self._oldest_live()
+        if first is None:
+            return []
+        batch, total = [first], first.n
+        self._forming = batch
+        window_end = first.enqueued + self.max_delay_s
+        while total < self.max_batch_size:
+            total, blocked = self._add_compatible(batch, total)
+            remaining = window_end - time.monotonic()
+            if blocked or total >= self.max_batch_size or remaining <= 0 or self._closing:
+                break
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=remaining)
+            except TimeoutError:
+                self._add_compatible(batch, total)
+                break
+        return batch
+
+    def _add_compatible(self, batch: list[_Request], total: int) -> tuple[int, bool]:
+        """Move queued requests with the batch's shape key into it, in arrival order, while they fit.
+        Returns the new sample count and whether a compatible request did not fit (the batch is done)."""
+        key = batch[0].key
+        now = time.monotonic()
+        for request in list(self._pending.values()):
+            if request.future.done():
+                self._drop(request)
+                continue
+            if request.key != key:
+                continue
+            if total + request.n > self.max_batch_size:
+                return total, True
+            if request.deadline <= now:
+                self._drop(request)
+                _resolve_exception(request, _timeout_error(self.timeout_s))
+                continue
+            self._take(request)
+            batch.append(request)
+            total += request.n
+        return total, False
+
+    async def _execute(self, batch: list[_Request]) -> None:
+        self._forming = []
+        now = time.monotonic()
+        live = []
+        for request in batch:
+            self._uncount(request)  # handed to the engine: no longer waiting
+            if request.future.done():  # cancelled or timed out while the batch formed
+                continue
+            if request.deadline <= now:
+                _resolve_exception(request, _timeout_error(self.timeout_s))
+                continue
+            live.append(request)
+        if not live:
+            return
+        assert self._executor is not None
+        total = sum(r.n for r in live)
+        started = time.monotonic()
+        try:
+            split = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._compute, [r.inputs for r in live], [r.n for r in live]
+            )
+        except asyncio.CancelledError:
+            for request in live:
+                _resolve_exception(request, ShuttingDownError("the model is shutting down"))
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, ServiceError) else _engine_error(self.name, exc)
+            for request in live:
+                _resolve_exception(request, copy.copy(error))
+            return
+        compute_s = time.monotonic() - started
+        for request, outputs in zip(live, split, strict=True):
+            if not request.future.done():
+                request.future.set_result(BatchResult(outputs, started - request.enqueued, compute_s, total))
+        if self._on_batch is not None:
+            try:
+                self._on_batch(total, started - min(r.enqueued for r in live), compute_s)
+            except Exception:
+                log.exception("batcher %s: on_batch callback failed", self.name)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+        """Runs on the engine thread: concatenate, run once, split back (copies, never views)."""
+        if len(inputs) == 1:
+            feeds = inputs[0]
+        else:
+            feeds = {name: np.concatenate([x[name] for x in inputs], axis=0) for name in inputs[0]}
+        outputs = self._run_batch(feeds)
+        total = sum(sizes)
+        for name, value in outputs.items():
+            if not isinstance(value, np.ndarray):
+                raise EngineError(f"the engine returned a non-array for output {name!r}")
+            if len(inputs) > 1 and (value.ndim == 0 or value.shape[0] != total):
+                raise EngineError(f"output {name!r} has no batch dimension: requests cannot be batched")
+        if len(inputs) == 1:
+            return [{name: np.array(value, copy=True) for name, value in outputs.items()}]
+        result = []
+        offset = 0
+        for n in sizes:
+            result.append({name: value[offset : offset + n].copy() for name, value in outputs.items()})
+            offset += n
+        return result
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _batch_size(inputs: dict[str, np.ndarray]) -> int:
+    if not inputs:
+        raise InvalidInputError("the request has no inputs")
+    sizes = set()
+    for name, value in inputs.items():
+        if not isinstance(value, np.ndarray) or value.ndim == 0:
+            raise InvalidInputError(f"input {name!r} must be an array with a batch dimension")
+        sizes.add(int(value.shape[0]))
+    if len(sizes) != 1:
+        raise InvalidInputError(f"inputs disagree on the batch size: {sorted(sizes)}")
+    n = sizes.pop()
+    if n < 1:
+        raise InvalidInputError("batch size must be at least 1")
+    return n
+
+
+def _shape_key(inputs: dict[str, np.ndarray]) -> _ShapeKey:
+    return tuple(sorted((name, value.dtype.str, tuple(value.shape[1:])) for name, value in inputs.items()))
+
+
+def _resolve_exception(request: _Request, exc: BaseException) -> None:
+    if not request.future.done():
+        request.future.set_exception(exc)
+
+
+def _timeout_error(timeout_s: float) -> RequestTimeoutError:
+    return RequestTimeoutError(f"request timed out after {timeout_s:g} s")
+
+
+def _engine_error(name: str, exc: BaseException) -> EngineError:
+    log.error("batcher %s: inference failed", name, exc_info=exc)
+    return EngineError(f"inference failed ({type(exc).__name__})")

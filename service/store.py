@@ -1,0 +1,369 @@
+"""Durable on-disk model repository.
+
+Layout::
+
+    root/.staging/                    uploads and optimizer outputs in progress (emptied at startup)
+    root/<name>/<version>/            one complete version: original.onnx, optimized.onnx (+ variants such
+                                      as optimized-plain.onnx), metadata.json
+    root/<name>/.tmp-<uuid>/          a version being built, or being deleted (removed at startup)
+    root/<name>/.last-version         highest version ever allocated (numbers are never reused)
+
+Why it is built this way: a crash (kill -9, power loss) at any moment must never leave a half-visible
+version. A version is assembled in a hidden temp folder on the same filesystem, every file fsynced, and
+then appears in one ``rename``; single files are replaced the same way (temp file in the same folder,
+fsync, rename, fsync the folder). Version numbers are allocated under a lock (a thread lock plus an
+``flock`` for other processes sharing the folder), so concurrent uploads to one name get distinct
+versions. Names are validated and every path is resolved and checked to stay directly under the root.
+A full disk gives ``InsufficientStorageError`` (507) with nothing half-written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
+from service.validation import validate_model_name
+
+log = logging.getLogger(__name__)
+
+ORIGINAL = "original.onnx"
+OPTIMIZED = "optimized.onnx"
+METADATA = "metadata.json"
+STAGING = ".staging"
+_LAST_VERSION = ".last-version"
+_LOCK = ".lock"
+_TMP_PREFIX = ".tmp-"
+_ARTIFACT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}\.(onnx|json)", re.ASCII)
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_key(original_sha256: str, optimizer_version: str, fields: dict[str, Any]) -> str:
+    """Identifies an optimized artifact: same original, optimizer version and graph settings -> reuse."""
+    payload = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{original_sha256}\n{optimizer_version}\n{payload}".encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _disk_errors() -> Iterator[None]:
+    """ENOSPC / EDQUOT -> InsufficientStorageError; other OSErrors propagate."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise InsufficientStorageError("not enough disk space to store the model") from exc
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Create ``path`` exclusively, write, fsync (no rename: for files inside an invisible folder)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        _write_file(tmp, data)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, link or folder without ever following a symlink."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class ModelStore:
+    def __init__(self, root: Path) -> None:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root.resolve()
+        self.staging_dir = self.root / STAGING
+        self.staging_dir.mkdir(exist_ok=True)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ paths
+
+    def model_dir(self, name: str) -> Path:
+        """``root/<name>`` for a validated name, refusing anything that would resolve elsewhere."""
+        validate_model_name(name)
+        path = self.root / name
+        if path.is_symlink() or path.resolve().parent != self.root:
+            raise BadRequestError("invalid model name")
+        return path
+
+    def version_dir(self, name: str, version: int) -> Path:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise NotFoundError("model versions are positive integers")
+        path = self.model_dir(name) / str(version)
+        if path.is_symlink() or not (path / METADATA).is_file():
+            raise NotFoundError(f"model {name!r} has no version {version}")
+        return path
+
+    def file_path(self, name: str, version: int, filename: str) -> Path:
+        """Path of a stored file of a complete version (for reading)."""
+        if filename not in (ORIGINAL, METADATA) and not _ARTIFACT_RE.fullmatch(filename):
+            raise BadRequestError("invalid artifact name")
+        return self.version_dir(name, version) / filename
+
+    # ------------------------------------------------------------------ staging
+
+    def new_staging_file(self, suffix: str = ".part") -> Path:
+        """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
+        path = self.staging_dir / f"{uuid.uuid4().hex}{suffix}"
+        with _disk_errors():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return path
+
+    def new_staging_dir(self) -> Path:
+        path = self.staging_dir / f"{uuid.uuid4().hex}.d"
+        with _disk_errors():
+            path.mkdir(mode=0o700)
+        return path
+
+    # ------------------------------------------------------------------ writing
+
+    def add_version(
+        self,
+        name: str,
+        staged_original: Path,
+        *,
+        files: dict[str, Path] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> int:
+        """Store a new complete version and return its number.
+
+        ``staged_original`` and ``files`` (artifact name -> staged path, e.g. ``optimized.onnx``) are
+        moved in. ``metadata`` is written last, with ``name`` and ``version`` filled in.
+        """
+        files = dict(files or {})
+        for filename in files:
+            if filename in (ORIGINAL, METADATA) or not _ARTIFACT_RE.fullmatch(filename):
+                raise BadRequestError("invalid artifact name")
+        model_dir = self.model_dir(name)
+        with _disk_errors():
+            if not model_dir.is_dir():
+                model_dir.mkdir(exist_ok=True)
+                _fsync_dir(self.root)
+            building = model_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            building.mkdir()
+            try:
+                self._move_in(staged_original, building / ORIGINAL)
+                for filename, source in files.items():
+                    self._move_in(source, building / filename)
+                return self._publish(name, model_dir, building, dict(metadata or {}))
+            except BaseException:
+                shutil.rmtree(building, ignore_errors=True)
+                raise
+
+    def _move_in(self, source: Path, target: Path) -> None:
+        _fsync_file(source)
+        try:
+            os.rename(source, target)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(source, target)
+            _fsync_file(target)
+            source.unlink(missing_ok=True)
+
+    def _publish(self, name: str, model_dir: Path, building: Path, metadata: dict[str, Any]) -> int:
+        with self._locked():
+            version = self._next_version(model_dir)
+            metadata.update(name=name, version=version)
+            _write_file(building / METADATA, _dump(metadata))
+            _fsync_dir(building)
+            os.rename(building, model_dir / str(version))  # the version appears complete, at once
+            atomic_write(model_dir / _LAST_VERSION, str(version).encode())
+        return version
+
+    def _next_version(self, model_dir: Path) -> int:
+        highest = max(self._version_numbers(model_dir, complete_only=False), default=0)
+        with contextlib.suppress(OSError, ValueError):
+            highest = max(highest, int((model_dir / _LAST_VERSION).read_text().strip()))
+        return highest + 1
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def write_artifact(self, name: str, version: int, filename: str, data: bytes) -> None:
+        """Atomically create or replace an optimized artifact of an existing version (cache refresh)."""
+        if filename in (ORIGINAL, METADATA) or not _ARTIFACT_RE.fullmatch(filename):
+            raise BadRequestError("invalid artifact name")
+        with _disk_errors():
+            atomic_write(self.version_dir(name, version) / filename, data)
+
+    def write_metadata(self, name: str, version: int, metadata: dict[str, Any]) -> None:
+        data = dict(metadata, name=name, version=version)
+        with _disk_errors():
+            atomic_write(self.version_dir(name, version) / METADATA, _dump(data))
+
+    def delete_version(self, name: str, version: int) -> None:
+        """Remove a version: it disappears in one rename, then its files are deleted."""
+        path = self.version_dir(name, version)
+        model_dir = path.parent
+        trash = model_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        with self._locked():
+            os.rename(path, trash)
+            _fsync_dir(model_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ reading
+
+    def read_metadata(self, name: str, version: int) -> dict[str, Any]:
+        path = self.version_dir(name, version) / METADATA
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"metadata of {name} v{version} is unreadable: {type(exc).__name__}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"metadata of {name} v{version} is not an object")
+        return data
+
+    def list_models(self) -> dict[str, list[int]]:
+        """Every model name with its complete versions, ascending."""
+        models: dict[str, list[int]] = {}
+        for entry in sorted(self.root.iterdir()):
+            if not self._is_model_dir(entry):
+                continue
+            versions = sorted(self._version_numbers(entry, complete_only=True))
+            if versions:
+                models[entry.name] = versions
+        return models
+
+    def is_fresh(self) -> bool:
+        """No model was ever stored here (a store whose models were all deleted is not fresh)."""
+        for entry in self.root.iterdir():
+            if self._is_model_dir(entry) and (
+                (entry / _LAST_VERSION).exists() or self._version_numbers(entry, complete_only=False)
+            ):
+                return False
+        return True
+
+    def _is_model_dir(self, entry: Path) -> bool:
+        if entry.is_symlink() or not entry.is_dir():
+            return False
+        try:
+            validate_model_name(entry.name)
+        except BadRequestError:
+            return False
+        return True
+
+    @staticmethod
+    def _version_numbers(model_dir: Path, *, complete_only: bool) -> list[int]:
+        numbers = []
+        for entry in model_dir.iterdir():
+            if not entry.name.isdigit() or str(int(entry.name)) != entry.name or int(entry.name) < 1:
+                continue
+            if entry.is_symlink() or not entry.is_dir():
+                continue
+            if complete_only and not (entry / METADATA).is_file():
+                continue
+            numbers.append(int(entry.name))
+        return numbers
+
+    # ------------------------------------------------------------------ startup
+
+    def cleanup_leftovers(self) -> int:
+        """Remove what a crash may have left: staging contents, temp folders and files, versions without
+        metadata. Returns how many entries were removed."""
+        removed = 0
+        for entry in self.staging_dir.iterdir():
+            _remove(entry)
+            removed += 1
+        for model_dir in self.root.iterdir():
+            if not self._is_model_dir(model_dir):
+                continue
+            versions = {str(v) for v in self._version_numbers(model_dir, complete_only=False)}
+            for entry in model_dir.iterdir():
+                if entry.name.startswith(_TMP_PREFIX) or entry.name.endswith(".tmp"):
+                    _remove(entry)
+                    removed += 1
+                elif entry.name in versions:
+                    removed += self._clean_version_dir(entry)
+        if removed:
+            log.info("store: removed %d leftover entries from an earlier run", removed)
+        return removed
+
+    @staticmethod
+    def _clean_version_dir(version_dir: Path) -> int:
+        if not (version_dir / METADATA).is_file():
+            _remove(version_dir)
+            return 1
+        removed = 0
+        for entry in version_dir.iterdir():
+            if entry.name.endswith(".tmp"):
+                _remove(entry)
+                removed += 1
+        return removed
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, indent=2, sort_keys=True, default=_json_default).encode()
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Path):
+        return value.name
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"not JSON-serializable: {type(value).__name__}")

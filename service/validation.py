@@ -1,0 +1,251 @@
+"""Acceptance rules for uploaded models and model names.
+
+Uploaded models are hostile until proven otherwise. Known attacks on model servers this module closes:
+path traversal through ONNX external data (CVE-2022-25882, CVE-2024-27318 and symlink variants: we accept
+NO external data anywhere, so no file outside the upload is ever opened), custom-domain ops that would load
+native code or hit unreviewed kernels (only the standard and ONNX Runtime domains are allowed), absurd
+nesting of subgraphs (stack exhaustion) and absurd declared shapes. Memory bombs in foldable constants are
+handled by running the optimizer in a resource-limited child process (``service.optimizer_worker``).
+
+``validate_model_name`` keeps names safe to use as one path component: the store still resolves and checks
+every path it builds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+import onnx
+from onnx import AttributeProto, TensorProto
+
+from service.errors import BadRequestError, InvalidModelError
+from service.runtime.types import ONNX_TO_NUMPY, TensorSpec
+
+ALLOWED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+MAX_GRAPH_DEPTH = 8
+"""Deepest accepted nesting of subgraphs (If/Loop/Scan bodies); the main graph is depth 0."""
+MAX_NODES = 200_000
+MAX_RANK = 8
+MAX_FIXED_ELEMENTS = 1 << 28
+"""Largest product of the fixed dims of one input (2**28 float32 = 1 GiB)."""
+MIN_DEFAULT_OPSET = 7
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", re.ASCII)
+NAME_RULE = "1-64 characters: letters, digits, '_', '.', '-', starting with a letter or digit, no '..'"
+
+
+def validate_model_name(name: object) -> str:
+    """Return ``name`` if it is a safe model name, else raise BadRequestError (never echoing it)."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+        raise BadRequestError(f"invalid model name: use {NAME_RULE}")
+    return name
+
+
+def validate_model(model: onnx.ModelProto) -> None:
+    """Raise InvalidModelError with a clear message unless ``model`` is acceptable for serving."""
+    if not isinstance(model, onnx.ModelProto) or not model.HasField("graph"):
+        raise InvalidModelError("not an ONNX model: no graph")
+    if len(model.training_info):
+        raise InvalidModelError("models with training information are not accepted")
+    functions = {(f.domain, f.name) for f in model.functions}
+    _check_opset_imports(model, {domain for domain, _ in functions})
+    _check_function_calls(model, functions)
+    node_count = 0
+    for where, graph, depth in _all_graphs(model):
+        if depth > MAX_GRAPH_DEPTH:
+            raise InvalidModelError(f"subgraphs are nested deeper than {MAX_GRAPH_DEPTH} levels")
+        node_count += len(graph.node)
+        if node_count > MAX_NODES:
+            raise InvalidModelError(f"the model has more than {MAX_NODES} nodes")
+        _check_graph(graph, where, functions)
+    _check_signature(model.graph)
+    _run_checker(model)
+
+
+def model_signature(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs (initializers excluded) and outputs of the main graph; ``None`` for dynamic dims."""
+    return [_spec(v) for v in _real_inputs(model.graph)], [_spec(v) for v in model.graph.output]
+
+
+# ---------------------------------------------------------------------- domains and functions
+
+
+def _check_opset_imports(model: onnx.ModelProto, function_domains: set[str]) -> None:
+    if not model.opset_import:
+        raise InvalidModelError("not an ONNX model: no opset import")
+    for opset in model.opset_import:
+        if opset.domain not in ALLOWED_DOMAINS and opset.domain not in function_domains:
+            domain = _short(opset.domain)
+            raise InvalidModelError(f"operator domain {domain!r} is not allowed; " + _domains_hint())
+        newest = onnx.defs.onnx_opset_version()
+        if opset.domain in ("", "ai.onnx") and not MIN_DEFAULT_OPSET <= opset.version <= newest:
+            raise InvalidModelError(f"opset {opset.version} is unsupported: use {MIN_DEFAULT_OPSET}-{newest}")
+
+
+def _check_function_calls(model: onnx.ModelProto, functions: set[tuple[str, str]]) -> None:
+    """Model-local functions may call each other, but not recursively (that never terminates)."""
+    calls = {
+        (f.domain, f.name): {(n.domain, n.op_type) for n in f.node if (n.domain, n.op_type) in functions}
+        for f in model.functions
+    }
+    state: dict[tuple[str, str], int] = {}
+
+    def visit(key: tuple[str, str], depth: int) -> None:
+        if state.get(key) == 2:
+            return
+        if state.get(key) == 1 or depth > MAX_GRAPH_DEPTH:
+            raise InvalidModelError("model-local functions call each other recursively or too deeply")
+        state[key] = 1
+        for callee in calls.get(key, ()):
+            visit(callee, depth + 1)
+        state[key] = 2
+
+    for key in calls:
+        visit(key, 0)
+
+
+def _domains_hint() -> str:
+    return "only the standard ONNX domains and com.microsoft (ONNX Runtime) are accepted"
+
+
+# ---------------------------------------------------------------------- graph walk
+
+
+def _all_graphs(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.GraphProto, int]]:
+    """Every graph with its nesting depth: the main graph, subgraphs, and model-local function bodies."""
+    stack: list[tuple[str, onnx.GraphProto, int]] = [("main graph", model.graph, 0)]
+    for function in model.functions:
+        wrapper = onnx.GraphProto(name=function.name)
+        wrapper.node.extend(function.node)
+        stack.append((f"function {_short(function.name)!r}", wrapper, 1))
+    while stack:
+        where, graph, depth = stack.pop()
+        yield where, graph, depth
+        if depth > MAX_GRAPH_DEPTH:
+            return
+        for node in graph.node:
+            for attr in node.attribute:
+                subgraphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
+                for sub in subgraphs:
+                    stack.append((f"subgraph of node {_short(node.name or node.op_type)!r}", sub, depth + 1))
+
+
+def _check_graph(graph: onnx.GraphProto, where: str, functions: set[tuple[str, str]]) -> None:
+    for tensor in graph.initializer:
+        _no_external_data(tensor, f"initializer {_short(tensor.name)!r} ({where})")
+    for sparse in graph.sparse_initializer:
+        _no_external_sparse(sparse, f"sparse initializer ({where})")
+    for node in graph.node:
+        label = f"node {_short(node.name or node.op_type)!r} ({where})"
+        if node.domain not in ALLOWED_DOMAINS and (node.domain, node.op_type) not in functions:
+            raise InvalidModelError(
+                f"{label} uses operator {_short(node.op_type)!r} of domain {_short(node.domain)!r}; "
+                + _domains_hint()
+            )
+        for attr in node.attribute:
+            _check_attribute(attr, label)
+
+
+def _check_attribute(attr: AttributeProto, label: str) -> None:
+    what = f"attribute {_short(attr.name)!r} of {label}"
+    if attr.HasField("t"):
+        _no_external_data(attr.t, what)
+    for tensor in attr.tensors:
+        _no_external_data(tensor, what)
+    if attr.HasField("sparse_tensor"):
+        _no_external_sparse(attr.sparse_tensor, what)
+    for sparse in attr.sparse_tensors:
+        _no_external_sparse(sparse, what)
+
+
+def _no_external_data(tensor: TensorProto, what: str) -> None:
+    if tensor.data_location == TensorProto.EXTERNAL or len(tensor.external_data):
+        raise InvalidModelError(
+            f"{what} refers to external data; external data files are not accepted: "
+            "upload one self-contained .onnx file"
+        )
+
+
+def _no_external_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
+    _no_external_data(sparse.values, what)
+    _no_external_data(sparse.indices, what)
+
+
+# ---------------------------------------------------------------------- inputs and outputs
+
+
+def _real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    initializers = {t.name for t in graph.initializer} | {s.values.name for s in graph.sparse_initializer}
+    return [v for v in graph.input if v.name not in initializers]
+
+
+def _check_signature(graph: onnx.GraphProto) -> None:
+    inputs = _real_inputs(graph)
+    if not inputs:
+        raise InvalidModelError("the model has no inputs")
+    if not graph.output:
+        raise InvalidModelError("the model has no outputs")
+    for value in inputs:
+        _check_tensor_value(value, "input")
+        _check_input_dims(value)
+    for value in graph.output:
+        _check_tensor_value(value, "output")
+
+
+def _check_tensor_value(value: onnx.ValueInfoProto, kind: str) -> None:
+    label = f"{kind} {_short(value.name)!r}"
+    if not value.name:
+        raise InvalidModelError(f"an {kind} has no name")
+    if not value.type.HasField("tensor_type"):
+        raise InvalidModelError(f"{label} is not a tensor (sequence, map and optional types are unsupported)")
+    elem = value.type.tensor_type.elem_type
+    if elem not in ONNX_TO_NUMPY:
+        name = TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else str(elem)
+        raise InvalidModelError(f"{label} has unsupported element type {name}")
+
+
+def _check_input_dims(value: onnx.ValueInfoProto) -> None:
+    label = f"input {_short(value.name)!r}"
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        raise InvalidModelError(f"{label} has no declared shape (rank)")
+    dims = tensor_type.shape.dim
+    if not 1 <= len(dims) <= MAX_RANK:
+        raise InvalidModelError(f"{label} has rank {len(dims)}; ranks 1-{MAX_RANK} (batch dimension first)")
+    fixed = []
+    for dim in dims:
+        if dim.HasField("dim_value"):
+            if dim.dim_value <= 0:
+                raise InvalidModelError(f"{label} has a non-positive fixed dimension ({dim.dim_value})")
+            fixed.append(dim.dim_value)
+    if math.prod(fixed) > MAX_FIXED_ELEMENTS:
+        raise InvalidModelError(f"{label} declares more than {MAX_FIXED_ELEMENTS} elements")
+
+
+def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    tensor_type = value.type.tensor_type
+    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+    return TensorSpec(value.name, ONNX_TO_NUMPY[tensor_type.elem_type], dims)
+
+
+# ---------------------------------------------------------------------- the ONNX checker
+
+
+def _run_checker(model: onnx.ModelProto) -> None:
+    """onnx.checker with full (strict shape inference) checks; refuses what ONNX itself calls invalid."""
+    if model.ByteSize() >= 2**31 - 1:
+        raise InvalidModelError("models of 2 GiB or more would need external data, which is not accepted")
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as exc:
+        text = str(exc).strip()
+        first_line = text.splitlines()[0] if text else type(exc).__name__
+        raise InvalidModelError(f"the ONNX checker refused the model: {first_line[:300]}") from exc
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """Names from an uploaded model, shortened and made printable for error messages."""
+    clean = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+    return clean + ("..." if len(text) > limit else "")

@@ -1,0 +1,430 @@
+"""The dynamic batcher through its public API, with a fake engine (``run_batch``).
+
+The fake computes a known function of its input rows, so every caller can check that it got exactly its
+own rows back; it also records every call (rows, thread) to check batching, ordering and threading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.errors import (
+    EngineError,
+    InvalidInputError,
+    NotFoundError,
+    QueueFullError,
+    RequestTimeoutError,
+    ShuttingDownError,
+)
+from service.runtime.batcher import Batcher
+
+
+class FakeEngine:
+    """y = 3x + 1 and rowsum = x.sum(axis=1); records calls; optionally blocks until released."""
+
+    def __init__(self, delay_s: float = 0.0, blocking: bool = False, fail_with: BaseException | None = None):
+        self.delay_s = delay_s
+        self.release = threading.Event()
+        if not blocking:
+            self.release.set()
+        self.started = threading.Event()
+        self.fail_with = fail_with
+        self.calls: list[np.ndarray] = []
+        self.threads: set[int] = set()
+        self._active = 0
+        self.max_active = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self._lock:
+            self._active += 1
+            self.max_active = max(self.max_active, self._active)
+        try:
+            self.threads.add(threading.get_ident())
+            x = feeds["x"]
+            self.calls.append(x.copy())
+            self.started.set()
+            self.release.wait(10)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.fail_with is not None:
+                raise self.fail_with
+            return {"y": x * 3 + 1, "rowsum": x.sum(axis=1)}
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def rows_seen(self) -> np.ndarray:
+        return np.concatenate(self.calls) if self.calls else np.zeros((0, 1))
+
+
+def make(engine: FakeEngine, **kw) -> Batcher:
+    options = {"max_batch_size": 8, "max_delay_s": 0.005, "queue_size": 64, "timeout_s": 5.0, "name": "t"}
+    options.update(kw)
+    return Batcher(engine, **options)
+
+
+def rows(marker: float, n: int, width: int = 4) -> dict[str, np.ndarray]:
+    """n distinct rows whose first column identifies the request."""
+    x = np.full((n, width), marker, dtype=np.float32)
+    x[:, 1] = np.arange(n)
+    return {"x": x}
+
+
+def check_own(result, inputs) -> None:
+    np.testing.assert_array_equal(result.outputs["y"], inputs["x"] * 3 + 1)
+    np.testing.assert_array_equal(result.outputs["rowsum"], inputs["x"].sum(axis=1))
+
+
+def test_concurrent_requests_get_exactly_their_rows():
+    async def main():
+        engine = FakeEngine(delay_s=0.002)
+        batcher = make(engine, max_batch_size=16, max_delay_s=0.01, queue_size=4096)
+        batcher.start()
+        rng = random.Random(7)
+        requests = [rows(float(i), rng.randint(1, 5)) for i in range(300)]
+
+        async def one(inputs):
+            await asyncio.sleep(rng.random() * 0.05)
+            return await batcher.submit(inputs)
+
+        results = await asyncio.gather(*(one(r) for r in requests))
+        await batcher.stop()
+        return engine, requests, results
+
+    engine, requests, results = asyncio.run(main())
+    for inputs, result in zip(requests, results, strict=True):
+        check_own(result, inputs)
+        assert result.batch_size <= 16
+    assert max(len(c) for c in engine.calls) > 5, "requests were never batched together"
+    assert all(len(c) <= 16 for c in engine.calls)
+    assert sum(len(c) for c in engine.calls) == sum(len(r["x"]) for r in requests)  # each row ran once
+    assert len(engine.threads) == 1 and engine.max_active == 1  # one engine thread, never concurrent
+
+
+def test_outputs_are_private_copies():
+    """A caller mutating its result must not affect another caller (no shared views)."""
+
+    async def main():
+        shared = {"y": np.arange(6, dtype=np.float32).reshape(3, 2)}
+        batcher = Batcher(lambda feeds: shared, max_batch_size=8, max_delay_s=0.05, queue_size=8, timeout_s=5)
+        batcher.start()
+        a, b = await asyncio.gather(batcher.submit(rows(1, 1)), batcher.submit(rows(2, 2)))
+        a.outputs["y"][:] = -1
+        await batcher.stop()
+        return shared, a, b
+
+    shared, _, b = asyncio.run(main())
+    np.testing.assert_array_equal(shared["y"], np.arange(6, dtype=np.float32).reshape(3, 2))
+    np.testing.assert_array_equal(b.outputs["y"], [[2, 3], [4, 5]])
+
+
+def test_single_request_waits_at_most_max_delay():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_delay_s=0.08)
+        batcher.start()
+        t0 = time.monotonic()
+        result = await batcher.submit(rows(1, 1))
+        elapsed = time.monotonic() - t0
+        await batcher.stop()
+        return result, elapsed
+
+    result, elapsed = asyncio.run(main())
+    assert 0.07 <= elapsed < 1.0
+    assert result.queue_s >= 0.07
+    assert result.batch_size == 1
+
+
+def test_requests_within_the_delay_share_a_batch_and_a_full_batch_does_not_wait():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, max_delay_s=1.0)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(rows(1, 1)))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(batcher.submit(rows(2, 1)))
+        a, b = await asyncio.gather(first, second)
+        t0 = time.monotonic()
+        full = await asyncio.gather(*(batcher.submit(rows(10 + i, 1)) for i in range(4)))
+        full_elapsed = time.monotonic() - t0
+        await batcher.stop()
+        return a, b, full, full_elapsed
+
+    a, b, full, full_elapsed = asyncio.run(main())
+    assert a.batch_size == b.batch_size == 2
+    assert all(r.batch_size == 4 for r in full)
+    assert full_elapsed < 0.5, "a full batch must run without waiting for max_delay"
+
+
+def test_queue_full_is_immediate_and_counts_samples():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=2, max_delay_s=0, queue_size=5)
+        batcher.start()
+        running = asyncio.ensure_future(batcher.submit(rows(0, 2)))
+        await asyncio.to_thread(engine.started.wait, 5)  # the first batch is inside the engine
+        queued = [asyncio.ensure_future(batcher.submit(rows(m, n))) for m, n in ((1, 3), (2, 2))]
+        await asyncio.sleep(0.01)
+        depth = batcher.queue_depth
+        t0 = time.monotonic()
+        with pytest.raises(QueueFullError) as info:
+            await batcher.submit(rows(3, 1))
+        refused_in = time.monotonic() - t0
+        engine.release.set()
+        done = await asyncio.gather(running, *queued)
+        await batcher.stop()
+        return depth, info.value, refused_in, done
+
+    depth, error, refused_in, done = asyncio.run(main())
+    assert depth == 5
+    assert error.status == 503 and "Retry-After" in error.headers
+    assert refused_in < 0.05
+    for marker, result in enumerate(done):
+        assert np.all(result.outputs["y"][:, 0] == marker * 3 + 1)
+
+
+def test_request_larger_than_max_batch_runs_alone():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=4, max_delay_s=0.05)
+        batcher.start()
+        big, small = rows(1, 10), rows(2, 1)
+        results = await asyncio.gather(batcher.submit(big), batcher.submit(small))
+        await batcher.stop()
+        return engine, (big, small), results
+
+    engine, inputs, results = asyncio.run(main())
+    for x, result in zip(inputs, results, strict=True):
+        check_own(result, x)
+    assert sorted(len(c) for c in engine.calls) == [1, 10]
+
+
+def test_batching_disabled_runs_one_request_per_call():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=1, max_delay_s=0.01)
+        batcher.start()
+        inputs = [rows(i, 1 + i % 3) for i in range(6)]
+        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        await batcher.stop()
+        return engine, inputs, results
+
+    engine, inputs, results = asyncio.run(main())
+    for x, result in zip(inputs, results, strict=True):
+        check_own(result, x)
+    assert sorted(len(c) for c in engine.calls) == sorted(len(x["x"]) for x in inputs)
+    assert all(len(np.unique(c[:, 0])) == 1 for c in engine.calls)  # never two requests in one call
+
+
+def test_different_sample_shapes_are_not_concatenated():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_batch_size=16, max_delay_s=0.05)
+        batcher.start()
+        inputs = [rows(i, 1, width=3 + i % 2) for i in range(8)]
+        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        await batcher.stop()
+        return engine, inputs, results
+
+    engine, inputs, results = asyncio.run(main())
+    for x, result in zip(inputs, results, strict=True):
+        check_own(result, x)
+    assert sorted(len(c) for c in engine.calls) == [4, 4]
+    assert {c.shape[1] for c in engine.calls} == {3, 4}
+
+
+def test_expired_request_times_out_and_is_never_run():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0, timeout_s=0.2)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(rows(1, 1)))
+        await asyncio.to_thread(engine.started.wait, 5)
+        with pytest.raises(RequestTimeoutError):
+            await batcher.submit(rows(2, 1))
+        depth_after_timeout = batcher.queue_depth
+        engine.release.set()
+        with pytest.raises(RequestTimeoutError):  # the first one was running past its deadline too
+            await first
+        ok = await batcher.submit(rows(3, 1))
+        await batcher.stop()
+        return engine, depth_after_timeout, ok
+
+    engine, depth, ok = asyncio.run(main())
+    assert depth == 0
+    seen = set(engine.rows_seen()[:, 0].tolist())
+    assert 2.0 not in seen and {1.0, 3.0} <= seen
+    assert ok.outputs["y"][0, 0] == 10
+
+
+def test_cancelled_caller_frees_its_slot_and_does_not_break_the_batch():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=8, max_delay_s=0, queue_size=4)
+        batcher.start()
+        running = asyncio.ensure_future(batcher.submit(rows(1, 1)))
+        await asyncio.to_thread(engine.started.wait, 5)
+        doomed = asyncio.ensure_future(batcher.submit(rows(2, 4)))
+        await asyncio.sleep(0.01)
+        full_depth = batcher.queue_depth
+        doomed.cancel()
+        await asyncio.wait([doomed])
+        freed_depth = batcher.queue_depth
+        kept = asyncio.ensure_future(batcher.submit(rows(3, 4)))  # fits only because the slot was freed
+        engine.release.set()
+        results = await asyncio.gather(running, kept)
+        # a caller cancelled while its batch forms: the other requests of that batch still get results
+        slow = make(FakeEngine(), max_batch_size=8, max_delay_s=0.2)
+        slow.start()
+        a = asyncio.ensure_future(slow.submit(rows(4, 1)))
+        b = asyncio.ensure_future(slow.submit(rows(5, 2)))
+        await asyncio.sleep(0.05)
+        forming_depth = slow.queue_depth  # both wait in the forming batch: still counted
+        a.cancel()
+        await asyncio.wait([a])
+        forming_depth_after = slow.queue_depth
+        b_result = await b
+        await asyncio.gather(batcher.stop(), slow.stop())
+        return engine, (full_depth, freed_depth, forming_depth, forming_depth_after), results, b_result
+
+    engine, depths, results, b_result = asyncio.run(main())
+    assert depths == (4, 0, 3, 2)
+    assert 2.0 not in set(engine.rows_seen()[:, 0].tolist())
+    check_own(results[0], rows(1, 1))
+    check_own(results[1], rows(3, 4))
+    check_own(b_result, rows(5, 2))
+
+
+def test_engine_exception_reaches_every_caller_and_the_batcher_keeps_serving():
+    async def main():
+        engine = FakeEngine(fail_with=RuntimeError("/secret/path exploded"))
+        batcher = make(engine, max_batch_size=8, max_delay_s=0.05)
+        batcher.start()
+        calls = [batcher.submit(rows(i, 1)) for i in range(3)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        engine.fail_with = NotFoundError("typed service error")
+        typed = await asyncio.gather(batcher.submit(rows(9, 1)), return_exceptions=True)
+        engine.fail_with = None
+        ok = await batcher.submit(rows(7, 2))
+        await batcher.stop()
+        return outcomes, typed[0], ok
+
+    outcomes, typed, ok = asyncio.run(main())
+    assert all(isinstance(o, EngineError) for o in outcomes)
+    assert all("/secret" not in o.message for o in outcomes)
+    assert isinstance(typed, NotFoundError)
+    check_own(ok, rows(7, 2))
+
+
+def test_stop_with_drain_completes_queued_requests_then_refuses():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=2, max_delay_s=0)
+        batcher.start()
+        inputs = [rows(i, 1) for i in range(5)]
+        tasks = [asyncio.ensure_future(batcher.submit(x)) for x in inputs]
+        await asyncio.to_thread(engine.started.wait, 5)
+        stopping = asyncio.ensure_future(batcher.stop(drain=True))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ShuttingDownError):
+            await batcher.submit(rows(99, 1))
+        engine.release.set()
+        await stopping
+        return inputs, await asyncio.gather(*tasks)
+
+    inputs, results = asyncio.run(main())
+    for x, result in zip(inputs, results, strict=True):
+        check_own(result, x)
+
+
+def test_stop_without_drain_fails_queued_requests_but_finishes_the_running_batch():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0)
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(3)]
+        await asyncio.to_thread(engine.started.wait, 5)
+        stopping = asyncio.ensure_future(batcher.stop(drain=False))
+        await asyncio.sleep(0.01)
+        engine.release.set()
+        await stopping
+        return engine, await asyncio.gather(*tasks, return_exceptions=True)
+
+    engine, outcomes = asyncio.run(main())
+    check_own(outcomes[0], rows(0, 1))
+    assert all(isinstance(o, ShuttingDownError) for o in outcomes[1:])
+    assert len(engine.calls) == 1
+
+
+def test_on_batch_reports_sizes_and_invalid_batches_are_refused():
+    seen = []
+
+    async def main():
+        batcher = Batcher(
+            FakeEngine(),
+            max_batch_size=8,
+            max_delay_s=0.05,
+            queue_size=10,
+            timeout_s=5,
+            on_batch=lambda n, q, c: seen.append((n, q, c)),
+        )
+        batcher.start()
+        await asyncio.gather(batcher.submit(rows(1, 2)), batcher.submit(rows(2, 3)))
+        errors = []
+        for bad in (
+            {"x": np.zeros((2, 4), np.float32), "z": np.zeros((3, 4), np.float32)},
+            {"x": np.zeros((0, 4), np.float32)},
+            {"x": np.zeros((11, 4), np.float32)},
+            {},
+        ):
+            with pytest.raises(InvalidInputError) as info:
+                await batcher.submit(bad)
+            errors.append(info.value)
+        await batcher.stop()
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(seen) == 1 and seen[0][0] == 5 and seen[0][1] >= 0 and seen[0][2] >= 0
+    assert "limit of 10" in errors[2].message
+
+
+def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running_call():
+    events: list[str] = []
+
+    async def main():
+        engine = FakeEngine(blocking=True)
+
+        def run(feeds):
+            try:
+                return engine(feeds)
+            finally:
+                events.append("call ended")
+
+        batcher = Batcher(run, max_batch_size=1, max_delay_s=0, queue_size=8, timeout_s=30)
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(2)]
+        await asyncio.to_thread(engine.started.wait, 5)
+        t0 = time.monotonic()
+        await batcher.stop(drain=True, timeout_s=0.2, finalize=lambda: events.append("finalized"))
+        stop_s = time.monotonic() - t0
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        before_release = list(events)
+        engine.release.set()
+        for _ in range(100):
+            if "finalized" in events:
+                break
+            await asyncio.sleep(0.02)
+        return stop_s, outcomes, before_release
+
+    stop_s, outcomes, before_release = asyncio.run(main())
+    assert stop_s < 2
+    assert all(isinstance(o, ShuttingDownError) for o in outcomes)
+    assert before_release == []  # the engine was not finalized under the running call
+    assert events == ["call ended", "finalized"]
