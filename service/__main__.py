@@ -12,7 +12,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.api.server import serve
     from service.settings import ServiceSettings
 
-    overrides = {k: v for k, v in {"host": args.host, "port": args.port, "model_dir": args.model_dir}.items() if v}
+    given = {"host": args.host, "port": args.port, "model_dir": args.model_dir}
+    overrides = {k: v for k, v in given.items() if v is not None}  # port 0 (pick a free one) is a value
     return serve(ServiceSettings(**overrides))
 
 

@@ -1,0 +1,75 @@
+"""The FastAPI application factory.
+
+``create_app(settings)`` builds one self-contained app: its settings, registry, metrics (a private
+Prometheus registry) and lifecycle hang off ``app.state``, nothing lives at module level, so tests and
+benchmarks can run several apps in one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from service.metrics import Metrics
+from service.settings import ServiceSettings
+
+from . import health, kserve, metrics_route, models, predict
+from .error_handlers import install_error_handlers
+from .lifecycle import Lifecycle, lifespan
+from .schemas import BODY_MODELS
+
+if TYPE_CHECKING:
+    from service.registry import ModelRegistry
+
+DESCRIPTION = (
+    "ONNX model server for PyTorch-exported CNNs: graph fusion, ONNX Runtime (CUDA graphs on NVIDIA GPUs), "
+    "dynamic batching, a simple /predict endpoint and the KServe V2 protocol (binary tensors included)."
+)
+
+
+def create_app(
+    settings: ServiceSettings, registry: ModelRegistry | None = None, *, metrics: Metrics | None = None
+) -> FastAPI:
+    """Build the app. Without ``registry`` one is created on ``settings`` reporting to ``metrics``."""
+    metrics = metrics if metrics is not None else Metrics()
+    if registry is None:
+        from service.registry import ModelRegistry
+
+        registry = ModelRegistry(settings, metrics=metrics)
+    app = FastAPI(
+        title="onnx-cnn-serve",
+        version=kserve.server_version(),
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.metrics = metrics
+    app.state.lifecycle = Lifecycle(registry)
+    install_error_handlers(app)
+    for module in (health, predict, kserve, models, metrics_route):
+        app.include_router(module.router)
+    _document_bodies(app)
+    return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the request-body models the routes read by hand (see ``schemas.json_body``) to OpenAPI."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODY_MODELS:
+            doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(doc.pop("$defs", {}))
+            components[model.__name__] = doc
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,218 @@
+"""Reading request bodies under a size limit, counted while the bytes arrive.
+
+A declared ``Content-Length`` over the limit is refused before reading anything; chunked bodies (no
+length) are cut off as soon as the running count passes the limit. Uploads go straight to a staging
+file chunk by chunk (raw body, or a multipart form parsed by python-multipart's streaming parser), so a
+model of hundreds of MiB never sits in memory and Starlette never spools a copy of it to a temp dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+
+from service.errors import (
+    BadRequestError,
+    InsufficientStorageError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
+
+MIB = 1024 * 1024
+WRITE_CHUNK = MIB  # bytes gathered before one (threaded) file write
+MAX_FORM_FIELD = 64 * 1024  # the multipart ``config`` field
+MULTIPART_OVERHEAD = MIB  # boundaries, part headers and the config field on top of the file limit
+
+
+def _too_large(limit: int, what: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"{what} is larger than the limit of {limit // MIB} MiB")
+
+
+def check_declared_length(request: Request, limit: int, what: str) -> None:
+    """Refuse early when the client announces a body over the limit."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return
+    if not declared.strip().isdigit():
+        raise BadRequestError("Content-Length must be a non-negative integer")
+    if int(declared) > limit:
+        raise _too_large(limit, what)
+
+
+async def read_body(request: Request, limit: int, what: str = "request body") -> bytes:
+    """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``."""
+    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding[:32]!r} is not supported")
+    check_declared_length(request, limit, what)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(limit, what)
+        chunks.append(chunk)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return body if encoding == "identity" else _inflate(body, limit, what)
+
+
+def _inflate(data: bytes, limit: int, what: str) -> bytes:
+    """Decompress gzip or zlib data, never producing more than ``limit`` bytes (zip bombs)."""
+    inflater = zlib.decompressobj(wbits=47)  # 32 + 15: accept a gzip or a zlib header
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error:
+        raise BadRequestError(f"{what} is not valid compressed data") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise _too_large(limit, f"decompressed {what}")
+    if not inflater.eof:
+        raise BadRequestError(f"{what}: compressed data is truncated")
+    return out
+
+
+class _FileSink:
+    """Buffers chunks and writes them to the staging file in a worker thread (the loop stays free)."""
+
+    def __init__(self, fh: BinaryIO, limit: int) -> None:
+        self.fh, self.limit = fh, limit
+        self.size = 0
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+
+    def add(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.limit:
+            raise _too_large(self.limit, "model upload")
+        self.pending.append(data)
+        self.pending_size += len(data)
+
+    async def flush(self, force: bool = False) -> None:
+        if not self.pending or (self.pending_size < WRITE_CHUNK and not force):
+            return
+        data = b"".join(self.pending)
+        self.pending, self.pending_size = [], 0
+        try:
+            await asyncio.to_thread(self.fh.write, data)
+            if force:
+                await asyncio.to_thread(self.fh.flush)
+        except OSError as exc:
+            raise _storage_error(exc) from None
+
+
+def _storage_error(exc: OSError) -> InsufficientStorageError | OSError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientStorageError("not enough disk space to store the upload")
+    return exc
+
+
+async def stream_raw_upload(request: Request, dest: Path, limit: int) -> int:
+    """Stream an ``application/octet-stream`` body into ``dest``; returns its size."""
+    check_declared_length(request, limit, "model upload")
+    with dest.open("wb") as fh:
+        sink = _FileSink(fh, limit)
+        async for chunk in request.stream():
+            sink.add(chunk)
+            await sink.flush()
+        await sink.flush(force=True)
+    if sink.size == 0:
+        raise BadRequestError("the upload body is empty")
+    return sink.size
+
+
+class _FormState:
+    """Callbacks of the streaming multipart parser: routes part data to the file or the config field."""
+
+    def __init__(self, sink: _FileSink) -> None:
+        self.sink = sink
+        self.header_field = bytearray()
+        self.header_value = bytearray()
+        self.disposition = b""
+        self.current: str | None = None
+        self.seen: set[str] = set()
+        self.config = bytearray()
+        self.ended = False
+
+    def callbacks(self) -> dict[str, object]:
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_header_field": lambda d, s, e: self.header_field.extend(d[s:e]),
+            "on_header_value": lambda d, s, e: self.header_value.extend(d[s:e]),
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+            "on_part_data": self.on_part_data,
+            "on_end": self.on_end,
+        }
+
+    def on_part_begin(self) -> None:
+        self.disposition, self.current = b"", None
+
+    def on_header_end(self) -> None:
+        if bytes(self.header_field).strip().lower() == b"content-disposition":
+            self.disposition = bytes(self.header_value)
+        self.header_field.clear()
+        self.header_value.clear()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self.disposition)
+        name = options.get(b"name", b"").decode("latin-1")
+        if name not in ("file", "config"):
+            raise BadRequestError(f"unexpected form field {name[:64]!r}; send 'file' and optionally 'config'")
+        if name in self.seen:
+            raise BadRequestError(f"form field {name!r} given twice")
+        self.seen.add(name)
+        self.current = name
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self.current == "file":
+            self.sink.add(data[start:end])
+        elif self.current == "config":
+            self.config.extend(data[start:end])
+            if len(self.config) > MAX_FORM_FIELD:
+                raise PayloadTooLargeError(f"form field 'config' is larger than {MAX_FORM_FIELD} bytes")
+
+    def on_end(self) -> None:
+        self.ended = True
+
+
+async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> str | None:
+    """Stream the ``file`` field of a multipart form into ``dest``; returns the ``config`` field."""
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise BadRequestError("multipart body without a boundary")
+    body_limit = limit + MULTIPART_OVERHEAD
+    check_declared_length(request, body_limit, "model upload")
+    with dest.open("wb") as fh:
+        state = _FormState(_FileSink(fh, limit))
+        try:
+            parser = MultipartParser(boundary, state.callbacks(), max_size=body_limit)  # type: ignore[arg-type]
+        except Exception:
+            raise BadRequestError("invalid multipart boundary") from None
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > body_limit:
+                raise _too_large(limit, "model upload")
+            _feed(parser, chunk)
+            await state.sink.flush()
+        await state.sink.flush(force=True)
+    if not state.ended:
+        raise BadRequestError("the multipart body is truncated (no closing boundary)")
+    if "file" not in state.seen or state.sink.size == 0:
+        raise BadRequestError("the multipart form has no (or an empty) 'file' field")
+    return state.config.decode("utf-8", errors="replace") if "config" in state.seen else None
+
+
+def _feed(parser: MultipartParser, chunk: bytes) -> None:
+    try:
+        parser.write(chunk)
+    except (BadRequestError, PayloadTooLargeError):
+        raise
+    except Exception:  # python-multipart's MultipartParseError and friends
+        raise BadRequestError("malformed multipart body") from None

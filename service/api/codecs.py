@@ -1,0 +1,357 @@
+"""Wire formats: JSON (orjson), the KServe V2 binary tensor extension and ``.npy``.
+
+Everything here is pure (bytes in, arrays out and back) and refuses hostile input with a
+``BadRequestError`` that names the offending tensor, before allocating anything sized by the request's
+own claims: a declared shape must be backed by as many bytes or values as it says, so memory stays
+bounded by the (already size-limited) body.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from service.errors import BadRequestError, InvalidInputError
+from service.runtime.types import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, TensorSpec
+
+from .schemas import InferRequest, PredictRequest
+
+_M = TypeVar("_M", bound=BaseModel)
+_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+_CONVERSION_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
+NPY_MEDIA_TYPE = "application/x-npy"
+MAX_NPY_HEADER = 4096
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+# ------------------------------------------------------------------ JSON
+def dumps(obj: Any) -> bytes:
+    """orjson with numpy arrays serialized natively (non-finite floats become ``null``)."""
+    return orjson.dumps(obj, option=_JSON_OPTS)
+
+
+def loads(body: bytes | memoryview, what: str = "request body") -> Any:
+    """Decode JSON; syntax errors and nesting deeper than orjson's limit (1024) are a 400."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        reason = "nested too deeply" if "depth" in str(exc) or "recursion" in str(exc) else str(exc)
+        raise BadRequestError(f"{what} is not valid JSON: {reason}") from None
+
+
+def format_validation_error(exc: ValidationError, limit: int = 3) -> str:
+    """``field.path: message`` for the first few errors; never echoes the offending value."""
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False)[:limit]:
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = exc.error_count() - limit
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def validate(model: type[_M], obj: Any, what: str) -> _M:
+    """Structural validation of a decoded body (a 400 naming the field)."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise BadRequestError(f"invalid {what}: {format_validation_error(exc)}") from None
+
+
+# ------------------------------------------------------------------ /predict
+def decode_predict(body: bytes) -> PredictRequest:
+    return validate(PredictRequest, loads(body), "predict request")
+
+
+def arrays_from_nested(inputs: Mapping[str, Any], specs: Iterable[TensorSpec]) -> dict[str, np.ndarray]:
+    """Nested JSON lists -> arrays of each input's own dtype (JSON carries no dtype)."""
+    by_name = {s.name: s for s in specs}
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in inputs.items():
+        spec = by_name.get(name)
+        if spec is None:
+            raise InvalidInputError(f"unexpected input {name!r}; the model takes: {', '.join(by_name)}")
+        arrays[name] = _to_array(name, value, spec.dtype)
+    return arrays
+
+
+def _to_array(name: str, value: Any, dtype: np.dtype) -> np.ndarray:
+    if not isinstance(value, list):
+        raise InvalidInputError(f"input {name!r}: expected a (nested) list of numbers")
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range floats become inf (documented)
+            return np.asarray(value, dtype=dtype)
+    except _CONVERSION_ERRORS as exc:
+        raise InvalidInputError(
+            f"input {name!r}: not a rectangular array of {dtype} values ({_short(exc)})"
+        ) from None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split("\n", 1)[0]
+    return text[:160]
+
+
+def outputs_payload(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Arrays ready for orjson: C-contiguous and native byte order."""
+    return {name: _jsonable(arr) for name, arr in outputs.items()}
+
+
+def _jsonable(arr: np.ndarray) -> np.ndarray:
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return np.ascontiguousarray(arr)
+
+
+# ------------------------------------------------------------------ KServe V2
+@dataclass
+class V2Request:
+    """A decoded V2 inference request."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[str] | None  # None: all of the model's outputs
+    binary: dict[str, bool]  # output name -> send as binary
+
+
+def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:
+    """JSON header and binary tail, per ``Inference-Header-Content-Length``."""
+    view = memoryview(body)
+    if header_length is None:
+        return view, view[len(view):]
+    text = header_length.strip()
+    if not text.isdigit() or len(text) > 18:
+        raise BadRequestError("Inference-Header-Content-Length must be a non-negative integer")
+    n = int(text)
+    if n > len(view):
+        raise BadRequestError(
+            f"Inference-Header-Content-Length ({n}) is past the end of the body ({len(view)} bytes)"
+        )
+    return view[:n], view[n:]
+
+
+ShapeCheck = Callable[[str, Sequence[int], int], object]
+"""``ModelVersion.check_shape(name, shape, itemsize)``: refuses a declared shape before any allocation."""
+
+
+def decode_v2_request(
+    body: bytes,
+    header_length: str | None,
+    inputs: Iterable[TensorSpec],
+    outputs: Iterable[TensorSpec],
+    check_shape: ShapeCheck | None = None,
+) -> V2Request:
+    header, tail = split_v2_body(body, header_length)
+    req = validate(InferRequest, loads(header, "inference request header"), "inference request")
+    input_specs = {s.name: s for s in inputs}
+    if len(req.inputs) > len(input_specs):
+        raise InvalidInputError(f"{len(req.inputs)} inputs given; the model takes {len(input_specs)}")
+    arrays = _decode_v2_inputs(req, tail, input_specs, len(header), check_shape)
+    names, binary = _requested_outputs(req, [s.name for s in outputs])
+    return V2Request(id=req.id, inputs=arrays, outputs=names, binary=binary)
+
+
+def _decode_v2_inputs(
+    req: InferRequest,
+    tail: memoryview,
+    specs: Mapping[str, TensorSpec],
+    max_values: int,
+    check_shape: ShapeCheck | None,
+) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, tensor in enumerate(req.inputs):
+        if tensor.name in arrays:
+            raise InvalidInputError(f"input {tensor.name!r} given twice")
+        dtype = _v2_dtype(tensor.name, tensor.datatype)
+        spec = specs.get(tensor.name)
+        if spec is None:
+            raise InvalidInputError(f"unknown input {tensor.name!r}; the model takes: {', '.join(specs)}")
+        if spec.dtype != dtype:
+            raise InvalidInputError(
+                f"input {tensor.name!r}: expected datatype {spec.datatype}, got {tensor.datatype}"
+            )
+        params = tensor.parameters or {}
+        _refuse_shared_memory(params, f"inputs[{i}]")
+        if check_shape is not None:
+            check_shape(tensor.name, tensor.shape, dtype.itemsize)
+        count = math.prod(tensor.shape)
+        if "binary_data_size" in params:
+            if tensor.data is not None:
+                raise InvalidInputError(f"input {tensor.name!r}: give data or binary_data_size, not both")
+            size = _non_negative_int(params["binary_data_size"], f"inputs[{i}].parameters.binary_data_size")
+            arrays[tensor.name] = _binary_tensor(tensor.name, tensor.shape, dtype, count, tail, offset, size)
+            offset += size
+        else:
+            arrays[tensor.name] = _json_tensor(
+                tensor.name, tensor.shape, dtype, count, tensor.data, max_values
+            )
+    if offset != len(tail):
+        raise BadRequestError(
+            f"binary data: inputs declare {offset} bytes, the body has {len(tail)} after the JSON header"
+        )
+    return arrays
+
+
+def _v2_dtype(name: str, datatype: str) -> np.dtype:
+    dtype = KSERVE_TO_NUMPY.get(datatype)
+    if dtype is not None:
+        return dtype
+    if datatype == "BYTES":
+        raise InvalidInputError(f"input {name!r}: datatype BYTES is not supported (numeric tensors only)")
+    raise InvalidInputError(
+        f"input {name!r}: unknown datatype {datatype[:16]!r}; supported: {', '.join(KSERVE_TO_NUMPY)}"
+    )
+
+
+def _binary_tensor(
+    name: str, shape: list[int], dtype: np.dtype, count: int, tail: memoryview, offset: int, size: int
+) -> np.ndarray:
+    expected = count * dtype.itemsize
+    if size != expected:
+        raise InvalidInputError(
+            f"input {name!r}: binary_data_size is {size} bytes but shape {shape} of {NUMPY_TO_KSERVE[dtype]} "
+            f"needs {expected}"
+        )
+    if offset + size > len(tail):
+        raise BadRequestError(
+            f"input {name!r}: binary data runs past the end of the body ({offset + size} > {len(tail)} bytes)"
+        )
+    wire = dtype.newbyteorder("<")
+    arr = np.frombuffer(tail, dtype=wire, count=count, offset=offset).reshape(shape)
+    return arr if wire.isnative else arr.astype(dtype)
+
+
+def _json_tensor(
+    name: str, shape: list[int], dtype: np.dtype, count: int, data: Any, max_values: int
+) -> np.ndarray:
+    if not isinstance(data, list):
+        raise InvalidInputError(f"input {name!r}: 'data' must be a list (or use binary_data_size)")
+    if count > max_values:  # each JSON value takes at least one byte of the header
+        raise InvalidInputError(
+            f"input {name!r}: shape {shape} declares {count} values, more than the request carries"
+        )
+    arr = _to_array(name, data, dtype)
+    if arr.size != count:
+        raise InvalidInputError(f"input {name!r}: shape {shape} needs {count} values, data has {arr.size}")
+    return arr.reshape(shape)
+
+
+def _requested_outputs(
+    req: InferRequest, model_outputs: list[str]
+) -> tuple[list[str] | None, dict[str, bool]]:
+    default = _bool_param(req.parameters or {}, "binary_data_output", False, "parameters")
+    if req.outputs is None:
+        return None, dict.fromkeys(model_outputs, default)
+    known = set(model_outputs)
+    binary: dict[str, bool] = {}
+    for i, out in enumerate(req.outputs):
+        if out.name not in known:
+            raise BadRequestError(f"unknown output {out.name!r}; the model has: {', '.join(model_outputs)}")
+        if out.name in binary:
+            raise BadRequestError(f"output {out.name!r} requested twice")
+        params = out.parameters or {}
+        _refuse_shared_memory(params, f"outputs[{i}]")
+        if params.get("classification"):
+            raise BadRequestError(f"outputs[{i}]: the classification extension is not supported")
+        binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
+    return list(binary), binary
+
+
+def _refuse_shared_memory(params: Mapping[str, Any], where: str) -> None:
+    if any(key.startswith("shared_memory") for key in params):
+        raise BadRequestError(f"{where}: the shared-memory extension is not supported")
+
+
+def _bool_param(params: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise BadRequestError(f"{where}.{key} must be true or false")
+    return value
+
+
+def _non_negative_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequestError(f"{where} must be a non-negative integer")
+    return value
+
+
+def encode_v2_response(
+    model: str,
+    version: int,
+    request_id: str | None,
+    outputs: Mapping[str, np.ndarray],
+    binary: Mapping[str, bool],
+) -> tuple[bytes, int | None]:
+    """Response body and, when any output is binary, the JSON header's length."""
+    entries: list[dict[str, Any]] = []
+    blobs: list[memoryview] = []
+    for name, raw in outputs.items():
+        arr = _jsonable(raw)
+        datatype = NUMPY_TO_KSERVE.get(arr.dtype)
+        if datatype is None:  # ONNX types outside the V2 set are refused at model load; be safe anyway
+            arr, datatype = arr.astype(np.float32), "FP32"
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if binary.get(name, False):
+            wire = arr if _LITTLE_ENDIAN else arr.astype(arr.dtype.newbyteorder("<"))
+            entry["parameters"] = {"binary_data_size": wire.nbytes}
+            blobs.append(memoryview(wire.reshape(-1)).cast("B"))
+        else:
+            entry["data"] = arr.reshape(-1)
+        entries.append(entry)
+    doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    if request_id is not None:
+        doc["id"] = request_id
+    doc["outputs"] = entries
+    header = dumps(doc)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
+
+
+# ------------------------------------------------------------------ .npy
+def decode_npy(body: bytes) -> np.ndarray:
+    """Parse a ``.npy`` body without pickle and without trusting its header's shape.
+
+    ``np.load`` preallocates the header's shape before reading, so a 100-byte file could ask for
+    terabytes; here the header must match the bytes actually present.
+    """
+    buf = io.BytesIO(body)
+    try:
+        version = np.lib.format.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf, max_header_size=MAX_NPY_HEADER)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf, max_header_size=MAX_NPY_HEADER)
+        else:
+            raise BadRequestError(f"unsupported .npy format version {version}")
+    except BadRequestError:
+        raise
+    except Exception as exc:  # numpy raises ValueError/SyntaxError/... on malformed headers
+        raise BadRequestError(f"not a valid .npy body ({_short(exc)})") from None
+    native = dtype.newbyteorder("=") if dtype.byteorder not in ("|", "=") else dtype
+    if dtype.hasobject or native not in NUMPY_TO_KSERVE:
+        raise BadRequestError(f".npy dtype {dtype.str!r} is not supported (numeric types only)")
+    count = math.prod(shape)
+    start = buf.tell()
+    if count * dtype.itemsize != len(body) - start:
+        raise BadRequestError(
+            f".npy header declares shape {list(shape)} ({count * dtype.itemsize} bytes) but the body carries "
+            f"{len(body) - start}"
+        )
+    arr = np.frombuffer(body, dtype=dtype, count=count, offset=start)
+    arr = arr.reshape(shape, order="F" if fortran else "C")
+    return arr if dtype.isnative else arr.astype(native)
+
+
+def encode_npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()

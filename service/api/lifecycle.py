@@ -1,0 +1,82 @@
+"""Startup and shutdown of one app: the registry's lifetime and the readiness flag.
+
+The registry starts in a background task so the HTTP server accepts connections at once: liveness is
+true from the first moment, readiness only after every stored model is loaded and warmed (a fresh store
+may first build and optimize the demo model). Readiness turns false the moment shutdown begins (the
+server calls ``begin_shutdown`` from its SIGTERM handler), before in-flight requests finish, so load
+balancers stop sending new work while the last answers go out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+
+if TYPE_CHECKING:
+    from service.registry import ModelRegistry
+
+log = logging.getLogger("service.api")
+
+
+class Lifecycle:
+    """Readiness as the API sees it: the registry is ready and no shutdown has begun."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+        self.shutting_down = False
+        self.start_failed: str | None = None
+        self.start_task: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return not self.shutting_down and self.start_failed is None and bool(self.registry.ready)
+
+    def not_ready_reason(self) -> str:
+        if self.shutting_down:
+            return "shutting down"
+        if self.start_failed is not None:
+            return f"startup failed: {self.start_failed}"
+        return "loading models"
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+
+    async def start_registry(self) -> None:
+        try:
+            await self.registry.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # keep serving liveness; readiness says why it is false
+            self.start_failed = type(exc).__name__
+            log.exception("model registry failed to start")
+        else:
+            log.info("model registry ready: %d model(s)", len(self.registry.names()))
+
+    async def wait_started(self) -> None:
+        """Wait for the registry's startup (tests, tools); raise if it failed."""
+        if self.start_task is not None:
+            await asyncio.shield(self.start_task)
+        if self.start_failed is not None:
+            raise RuntimeError(f"registry startup failed: {self.start_failed}")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    lifecycle: Lifecycle = app.state.lifecycle
+    lifecycle.shutting_down = False
+    lifecycle.start_task = asyncio.create_task(lifecycle.start_registry(), name="registry-start")
+    try:
+        yield
+    finally:
+        lifecycle.begin_shutdown()
+        task = lifecycle.start_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await lifecycle.registry.stop(app.state.settings.shutdown_grace_s)

@@ -1,0 +1,128 @@
+"""Pydantic models of the request and response bodies.
+
+They serve two purposes: the OpenAPI document (clients, schemathesis) and the structural validation of
+inference request bodies after orjson has decoded them. Tensor ``data`` stays ``Any`` so pydantic never
+walks a large nested list (numpy converts it once, in ``codecs``). Limits (name lengths, rank, number of
+tensors) are part of the schema so a hostile body is refused before any tensor is built.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # = service.validation's rule
+MAX_RANK = 32  # numpy allows 64; no CNN tensor comes near either
+MAX_TENSORS = 64  # inputs or requested outputs in one request
+MAX_NAME_LEN = 256
+
+Dim = Annotated[StrictInt, Field(ge=0, le=2**62)]
+TensorName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="What went wrong, for a human; never a path or a traceback.")
+
+
+# ---------------------------------------------------------------- /predict
+class PredictRequest(BaseModel):
+    """``POST /predict`` JSON body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        None, pattern=MODEL_NAME_PATTERN, description="Model name; may be omitted when one model is loaded."
+    )
+    version: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Version; default: latest.")
+    inputs: dict[TensorName, Any] = Field(
+        ..., min_length=1, max_length=MAX_TENSORS, description="Input name -> nested list, batch dim first."
+    )
+
+
+class PredictResponse(BaseModel):
+    model: str
+    version: int
+    outputs: dict[str, Any] = Field(description="Output name -> nested list, batch dimension first.")
+
+
+# ---------------------------------------------------------------- KServe V2
+class InferInputTensor(BaseModel):
+    """One input of a V2 inference request: ``data`` (flat or nested, row-major) or binary data."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: TensorName
+    shape: list[Dim] = Field(..., max_length=MAX_RANK)
+    datatype: str = Field(..., min_length=1, max_length=16)
+    parameters: dict[str, Any] | None = None
+    data: Any = None
+
+
+class RequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: TensorName
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    """KServe V2 inference request (the JSON part when the binary extension is used)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = Field(None, max_length=256)
+    parameters: dict[str, Any] | None = None
+    inputs: list[InferInputTensor] = Field(..., min_length=1, max_length=MAX_TENSORS)
+    outputs: list[RequestedOutput] | None = Field(None, max_length=MAX_TENSORS)
+
+
+class InferOutputTensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[InferOutputTensor]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 marks a dynamic dimension.")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, InferRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    ErrorBody, PredictResponse, InferResponse, ModelMetadata, ServerMetadata,
+)
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a JSON body the route reads itself (for speed) as ``model``."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }

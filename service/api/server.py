@@ -1,0 +1,75 @@
+"""Run the app on uvicorn: ``serve(settings) -> exit code``.
+
+SIGTERM/SIGINT: readiness turns false at once (``Lifecycle.begin_shutdown`` in the signal handler), the
+listening socket closes, in-flight requests get up to ``shutdown_grace_s`` to finish, then the registry
+stops. A clean, signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT``
+goes to stdout with the real port, so ``--port 0`` works for tests and scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from service.settings import ServiceSettings
+
+from .app import create_app
+from .lifecycle import Lifecycle
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.lifecycle.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and getattr(self, "servers", None):
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"listening on http://{shown}:{port}", flush=True)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        with self.capture_signals():
+            await self._serve(sockets)
+            # uvicorn re-raises a caught SIGTERM after a graceful shutdown (exit status -15); we have
+            # finished cleanly, so say so with status 0.
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+
+def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+        timeout_keep_alive=5,
+        server_header=False,
+        proxy_headers=False,
+    )
+
+
+def serve(settings: ServiceSettings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    app = create_app(settings)
+    server = _Server(uvicorn_config(settings, app), app.state.lifecycle)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1

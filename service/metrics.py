@@ -1,0 +1,108 @@
+"""Prometheus metrics of one service instance.
+
+Every ``Metrics`` owns its own ``CollectorRegistry`` instead of the process-global one, so several apps
+in one process (tests, benchmarks) never clash over metric names. ``Metrics`` satisfies the registry's
+``MetricsSink`` protocol (batch, queue depth and loaded-model reports) and adds the per-request series
+the API records.
+
+Label values are bounded: ``model`` is only ever the name of a model that exists (the API passes ""
+when a request named an unknown model), ``endpoint`` and ``outcome`` come from fixed sets (route names
+and ``ServiceError.code``), so a client cannot grow the series count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Seconds: from 100 us (an engine call of a tiny model) to 30 s (the default request timeout).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class Metrics:
+    """The service's metric series, registered in a private registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "service_requests", "Inference requests by model, endpoint and outcome (success or error code).",
+            ["model", "endpoint", "outcome"], registry=r,
+        )
+        self.request_seconds = Histogram(
+            "service_request_duration_seconds", "Inference request latency in the server (read to reply).",
+            ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "service_queue_duration_seconds", "Time a request waited in its model's batching queue.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.compute_seconds = Histogram(
+            "service_compute_duration_seconds", "Engine time of the batch that served a request.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "service_batch_size", "Samples per engine call (dynamic batching).",
+            ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "service_batch_compute_duration_seconds", "Engine time per batch.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge(
+            "service_queue_depth", "Samples waiting in a model version's batching queue.",
+            ["model", "version"], registry=r,
+        )
+        self.loaded_models = Gauge("service_loaded_models", "Model versions loaded and ready.", registry=r)
+
+    # -- MetricsSink (called by the registry / batcher, possibly from engine threads) --------------------
+    def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None:
+        self.batch_size.labels(model).observe(batch_size)
+        self.batch_seconds.labels(model).observe(compute_s)
+
+    def set_queue_depth(self, model: str, version: int, depth: int) -> None:
+        self.queue_depth.labels(model, str(version)).set(depth)
+
+    def set_loaded_models(self, count: int) -> None:
+        self.loaded_models.set(count)
+
+    # -- API side -----------------------------------------------------------------------------------------
+    def observe_request(
+        self,
+        model: str,
+        endpoint: str,
+        outcome: str,
+        total_s: float,
+        queue_s: float | None = None,
+        compute_s: float | None = None,
+    ) -> None:
+        """Record one finished inference request (latencies only for successful ones)."""
+        self.requests.labels(model, endpoint, outcome).inc()
+        if outcome != "success":
+            return
+        self.request_seconds.labels(model, endpoint).observe(total_s)
+        if queue_s is not None:
+            self.queue_seconds.labels(model).observe(queue_s)
+        if compute_s is not None:
+            self.compute_seconds.labels(model).observe(compute_s)
+
+    def forget_version(self, model: str, version: int) -> None:
+        """Drop the per-version series of a deleted model version."""
+        with contextlib.suppress(KeyError):
+            self.queue_depth.remove(model, str(version))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

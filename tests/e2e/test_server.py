@@ -1,0 +1,273 @@
+"""The real thing: ``python -m service serve`` as a subprocess on a free loopback port.
+
+upload -> /predict -> the official tritonclient (binary and JSON tensors) -> SIGTERM (clean exit, the
+in-flight request completes) -> restart on the same model dir -> identical answers; and one start with
+the bundled demo model, checked against ONNX Runtime on the zoo graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "e2e-admin-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+))")
+GRACE_S = 5.0
+
+
+def tiny_cnn(seed: int = 0) -> bytes:
+    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm, input [N,3,8,8], outputs logits + features."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "conv_w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "conv_b"),
+        numpy_helper.from_array(rng.normal(0, 0.5, (3, 4)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (3,)).astype(np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "conv_w", "conv_b"], ["conv"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv"], ["relu"]),
+        helper.make_node("GlobalAveragePool", ["relu"], ["pool"]),
+        helper.make_node("Flatten", ["pool"], ["features"], axis=1),
+        helper.make_node("Gemm", ["features", "fc_w", "fc_b"], ["logits"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_cnn",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", 4]),
+        ],
+        inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8
+    ).SerializeToString()
+
+
+def ort_reference(model: bytes | onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, {sess.get_inputs()[0].name: x}), strict=True))
+
+
+class Server:
+    """One ``python -m service serve --port 0`` process; the URL comes from its 'listening on' line."""
+
+    def __init__(self, model_dir: Path, logs: Path, demo: bool = False, ready_timeout: float = 60.0) -> None:
+        self.logs = logs
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+        env.update(
+            SERVICE_ADMIN_TOKEN=TOKEN,
+            SERVICE_DEMO_MODEL="true" if demo else "false",
+            SERVICE_ENGINE__DEVICE="cpu",
+            SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
+            SERVICE_LOG_LEVEL="info",
+            PYTHONPATH=str(ROOT),
+        )
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = logs / "stdout.txt"
+        with open(self.stdout_path, "wb") as out, open(logs / "stderr.txt", "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service", "serve", "--port", "0", "--model-dir", str(model_dir)],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=err,
+            )
+        self.url = self._wait_listening(timeout=30.0)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.started = time.monotonic()
+        self._wait_ready(ready_timeout)
+        self.ready_after_s = time.monotonic() - self.started
+
+    def _fail(self, why: str) -> None:
+        self.kill()
+        err = (self.logs / "stderr.txt").read_text(errors="replace")[-3000:]
+        pytest.fail(f"{why}; server stderr:\n{err}")
+
+    def _wait_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = LISTENING.search(self.stdout_path.read_text(errors="replace"))
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                self._fail(f"server exited with {self.proc.returncode} before listening")
+            time.sleep(0.05)
+        self._fail("server did not print its URL")
+        raise AssertionError  # unreachable
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{self.url}/v2/health/ready", timeout=2)
+                if r.status_code == 200:
+                    return
+                assert r.status_code == 503  # not ready yet, but alive and answering
+            if self.proc.poll() is not None:
+                self._fail(f"server exited with {self.proc.returncode} while loading")
+            time.sleep(0.1)
+        self._fail(f"server not ready after {timeout:.0f} s")
+
+    def terminate(self) -> int:
+        """SIGTERM; returns the exit status (must come within the grace period)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=GRACE_S + 10)
+        except subprocess.TimeoutExpired:
+            self._fail("server did not exit after SIGTERM")
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, logs: Path, **kwargs: object) -> Iterator[Server]:
+    server = Server(model_dir, logs, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def triton_infer(port: int, x: np.ndarray, binary_in: bool = True) -> dict[str, np.ndarray]:
+    import tritonclient.http as triton
+
+    with triton.InferenceServerClient(url=f"127.0.0.1:{port}") as client:
+        assert client.is_server_live() and client.is_server_ready()
+        assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+        assert client.is_model_ready("tiny")
+        meta = client.get_model_metadata("tiny")
+        assert meta["inputs"][0]["shape"] == [-1, 3, 8, 8] and meta["platform"] == "onnxruntime_onnx"
+        assert client.get_model_config("tiny")["max_batch_size"] >= 1
+        tensor = triton.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary_in)
+        outputs = [
+            triton.InferRequestedOutput("logits", binary_data=True),
+            triton.InferRequestedOutput("features", binary_data=False),
+        ]
+        result = client.infer("tiny", [tensor], outputs=outputs, request_id="e2e-1")
+        assert result.get_response()["id"] == "e2e-1"
+        by_version = client.infer("tiny", [tensor], model_version="1")  # all outputs, binary by default
+        np.testing.assert_array_equal(by_version.as_numpy("logits"), result.as_numpy("logits"))
+        return {"logits": result.as_numpy("logits"), "features": result.as_numpy("features")}
+
+
+def predict(url: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    r = httpx.post(f"{url}/predict", json={"model": "tiny", "inputs": {"input": x.tolist()}}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {k: np.asarray(v, np.float32) for k, v in r.json()["outputs"].items()}
+
+
+def test_upload_predict_triton_sigterm_restart(tmp_path: Path) -> None:
+    model, x = tiny_cnn(seed=3), np.random.default_rng(7).normal(size=(3, 3, 8, 8)).astype(np.float32)
+    want = ort_reference(model, x)
+    models = tmp_path / "models"
+    with running(models, tmp_path / "first") as server:
+        r = httpx.post(
+            f"{server.url}/v1/models/tiny",
+            content=model,
+            params={"config": '{"max_delay_ms": 400}'},
+            headers={**AUTH, "content-type": "application/octet-stream"},
+            timeout=60,
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["version"] == 1 and r.json()["state"] == "READY"
+        unauthorized = httpx.post(f"{server.url}/v1/models/evil", content=model, timeout=10)
+        assert unauthorized.status_code == 401
+
+        answer = predict(server.url, x)
+        np.testing.assert_allclose(answer["logits"], want["logits"], rtol=1e-4, atol=1e-5)
+        for binary_in in (True, False):
+            via_triton = triton_infer(server.port, x, binary_in=binary_in)
+            for name in ("logits", "features"):
+                np.testing.assert_allclose(via_triton[name], answer[name], rtol=1e-5, atol=1e-6)
+
+        # SIGTERM while a request waits in its 400 ms batch window: it completes, the exit is clean.
+        late: dict[str, object] = {}
+
+        def in_flight() -> None:
+            late["response"] = httpx.post(
+                f"{server.url}/predict",
+                json={"model": "tiny", "inputs": {"input": x[:1].tolist()}},
+                timeout=30,
+            )
+
+        thread = threading.Thread(target=in_flight)
+        thread.start()
+        time.sleep(0.15)
+        start = time.monotonic()
+        assert server.terminate() == 0
+        assert time.monotonic() - start < GRACE_S + 2
+        thread.join(timeout=10)
+        response = late["response"]
+        assert isinstance(response, httpx.Response) and response.status_code == 200
+        np.testing.assert_allclose(
+            response.json()["outputs"]["logits"], want["logits"][:1], rtol=1e-4, atol=1e-5
+        )
+
+    with running(models, tmp_path / "second") as again:
+        assert predict(again.url, x)["logits"].tolist() == answer["logits"].tolist()
+        np.testing.assert_array_equal(triton_infer(again.port, x)["logits"], via_triton["logits"])
+        listing = httpx.get(f"{again.url}/v1/models", timeout=10).json()
+        assert listing == {
+            "models": [{"name": "tiny", "versions": [{"version": 1, "state": "READY", "error": None}]}]
+        }
+        assert again.terminate() == 0
+    leftovers = [p for p in (models / ".staging").iterdir()] if (models / ".staging").exists() else []
+    assert leftovers == []
+
+
+@pytest.mark.slow
+def test_demo_model_on_a_fresh_store(tmp_path: Path) -> None:
+    """CI proof that the default start works: the zoo's mobilenet_v3_large is built, optimized, verified
+    and served (about 10 s on 2 cores)."""
+    from service import zoo
+
+    with running(tmp_path / "models", tmp_path / "demo", demo=True, ready_timeout=240) as server:
+        meta = httpx.get(f"{server.url}/v2/models/mobilenet_v3_large", timeout=10).json()
+        assert meta["inputs"] == [
+            {"name": meta["inputs"][0]["name"], "datatype": "FP32", "shape": [-1, 3, 224, 224]}
+        ]
+        x = np.random.default_rng(0).normal(size=(1, 3, 224, 224)).astype(np.float32)
+        import tritonclient.http as triton
+
+        with triton.InferenceServerClient(url=f"127.0.0.1:{server.port}") as client:
+            tensor = triton.InferInput(meta["inputs"][0]["name"], list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            result = client.infer("mobilenet_v3_large", [tensor])
+            got = result.as_numpy(meta["outputs"][0]["name"])
+        want = next(iter(ort_reference(zoo.build("mobilenet_v3_large"), x).values()))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+        report = httpx.get(f"{server.url}/v1/models/mobilenet_v3_large", timeout=10).json()["versions"][0][
+            "report"
+        ]
+        assert report["nodes_after"] < report["nodes_before"]
+        assert server.terminate() == 0
