@@ -25,7 +25,11 @@ class BatchingSettings(BaseModel):
         64, ge=1, le=4096, description="Most samples in one engine call (a request's own batch counts N)."
     )
     max_delay_ms: float = Field(
-        2.0, ge=0.0, le=1000.0, description="Longest wait for more requests after the first one queued."
+        0.0,
+        ge=0.0,
+        le=1000.0,
+        description="Extra wait for more requests once the engine is free (0: run at once; whatever queued "
+        "while the engine was busy forms the next batch).",
     )
     queue_size: int = Field(
         1024, ge=1, le=1_000_000, description="Most samples waiting per model; beyond it requests get 503."
@@ -94,7 +98,9 @@ class ServiceSettings(BaseSettings):
     demo_model: bool = Field(True, description="Install the zoo's mobilenet_v3_large in a fresh store.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
-    precision: Literal["fp32", "fp16"] = Field("fp32", description="Default precision for new models.")
+    precision: Literal["fp32", "fp16", "auto"] = Field(
+        "fp32", description="Default precision for new models (auto: the CUDA tuner may pick fp16)."
+    )
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

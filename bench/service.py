@@ -1,0 +1,642 @@
+"""Service-level benchmark: real servers on loopback, a real HTTP client, the engine as the yardstick.
+
+    python3 bench/service.py --quick                 # CPU here: about 2-3 minutes
+    python3 bench/service.py --device cuda           # the GPU machine (service and client on one host)
+
+In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
+
+1. **Engine**: the served (optimized) model loaded in this process with ``Engine.load`` and timed with
+   ``Engine.run`` (host arrays in and out, as the service calls it) at batch 1 and at every bucket up
+   to the largest concurrency: the latency floor and the raw throughput a server could reach.
+2. **Servers**, one at a time, each a ``python -m service serve`` / uvicorn subprocess on 127.0.0.1:
+   (a) ``service``: ours with dynamic batching, (b) ``service_nobatch``: SERVICE_BATCHING__ENABLED=false,
+   (c) ``naive``: bench/naive_server.py (one ORT session on the unoptimized model, one request = one
+   inference, FastAPI + stdlib json).
+3. **Load**: an asyncio httpx client with N concurrent workers (N = 1, 8, 32, 64), each sending its
+   next request as soon as the last one returns, for a fixed time after a warm-up; KServe V2 binary
+   requests (``binary``) and JSON ``/predict`` (``json``; the naive server speaks only that).
+
+Reported per point: throughput (samples/s), p50/p99 latency, the mean engine batch (from the server's
+/metrics) and the throughput as a fraction of the engine's own at that batch size. Summary: a single
+binary request vs the engine (target <= 1.5x), HTTP overhead (service p50 - engine p50, ms), 32 vs 1
+concurrent clients (target >= 3x), and ratios to the naive baseline and to batching off.
+Writes ``bench/results/service-<date>-<cpu|cuda>.json`` and prints tables last.
+
+Client and server share the host: on a 2-core CPU machine the client takes a real share of the CPU,
+so absolute CPU figures are pessimistic; ratios from the same run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import json
+import math
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+
+DEMO_MODEL = "mobilenet_v3_large"
+PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
+
+
+# ------------------------------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A server subprocess on loopback; its output goes to a log file shown when it fails."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    ready_path: str
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float) -> None:
+        command = [*self.command, "--port", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@contextlib.contextmanager
+def running(server: Server, timeout_s: float) -> Iterator[Server]:
+    started = time.perf_counter()
+    server.start(timeout_s)
+    print(f"  {server.name}: ready on {server.url} after {time.perf_counter() - started:.1f} s", flush=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def service_server(name: str, model_dir: Path, device: str, logs: Path, **env: str) -> Server:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+    base.update(
+        SERVICE_DEMO_MODEL="true",
+        SERVICE_ENGINE__DEVICE=device,
+        SERVICE_LOG_LEVEL="warning",
+        PYTHONPATH=str(ROOT),
+        **env,
+    )
+    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
+    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log")
+
+
+def naive_server(model_path: Path, device: str, logs: Path) -> Server:
+    command = [sys.executable, str(ROOT / "bench" / "naive_server.py"), str(model_path), "--device", device]
+    command += ["--name", DEMO_MODEL]
+    return Server("naive", command, dict(os.environ), "/health", logs / "naive.log")
+
+
+# ------------------------------------------------------------------------------------------ payloads
+@dataclass(frozen=True)
+class Payload:
+    """One request body, reused by every worker (the client must not be the bottleneck). Plain data,
+    so that client processes can receive it."""
+
+    series: str
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    samples: int
+    output_name: str
+    output_count: int
+
+
+def binary_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
+    """KServe V2 binary extension: JSON header + raw float32 input; binary output requested."""
+    header = {
+        "inputs": [
+            {
+                "name": input_name,
+                "shape": list(sample.shape),
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": sample.nbytes},
+            }
+        ],
+        "outputs": [{"name": output_name, "parameters": {"binary_data": True}}],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
+    path = f"/v2/models/{model}/infer"
+    return Payload("binary", path, head + sample.tobytes(), headers, sample.shape[0], output_name, out_count)
+
+
+def json_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
+    """JSON /predict, floats rounded to 4 decimals (in float64: a float32 0.1234 would print 17 digits)."""
+    values = np.round(sample.astype(np.float64), 4).tolist()
+    body = json.dumps({"model": model, "inputs": {input_name: values}}).encode()
+    headers = {"Content-Type": "application/json"}
+    return Payload("json", "/predict", body, headers, sample.shape[0], output_name, out_count)
+
+
+def response_ok(payload: Payload, resp: httpx.Response) -> bool:
+    """200 and an output of the expected size (binary: the raw bytes after the JSON header)."""
+    if resp.status_code != 200:
+        return False
+    if payload.series == "binary":
+        length = resp.headers.get("inference-header-content-length")
+        return length is not None and len(resp.content) - int(length) == payload.output_count * 4
+    return np.asarray(resp.json()["outputs"][payload.output_name]).size == payload.output_count
+
+
+# ------------------------------------------------------------------------------------------ load
+@dataclass
+class PointResult:
+    requests: int
+    errors: int
+    seconds: float
+    latencies_ms: list[float]
+    first_error: str | None = None
+
+
+async def _load(url: str, payload: Payload, workers: int, window_start: float, window_end: float) -> PointResult:
+    """``workers`` workers, each sending its next request as soon as the last returns, without pause
+    from now (the warm-up) to the end of the window: an idle gap would let the server close kept-alive
+    connections under the client. Measured: the requests that finished inside the window (steady
+    state: throughput = their samples / window length); a failed request counts whenever it happens.
+    Window bounds are ``time.monotonic()`` values, the same clock in every process."""
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as client:
+        latencies: list[float] = []
+        errors = [0]
+        first_error: list[str] = []
+
+        async def worker() -> None:
+            while time.monotonic() < window_end:
+                start = time.perf_counter()
+                try:
+                    resp = await client.post(payload.path, content=payload.body, headers=payload.headers)
+                    ok = response_ok(payload, resp)
+                    reason = "" if ok else f"HTTP {resp.status_code}: {resp.text[:200]}"
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    ok, reason = False, f"{type(exc).__name__}: {exc}"
+                latency_ms = (time.perf_counter() - start) * 1e3
+                if not ok:
+                    errors[0] += 1
+                    if not first_error:
+                        first_error.append(reason)
+                elif window_start <= time.monotonic() <= window_end:
+                    latencies.append(latency_ms)
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+    duration = window_end - window_start
+    return PointResult(len(latencies), errors[0], duration, latencies, first_error[0] if first_error else None)
+
+
+def _client_process(url: str, payload: Payload, workers: int, window_start: float, window_end: float):
+    return asyncio.run(_load(url, payload, workers, window_start, window_end))
+
+
+def run_point(
+    url: str, payload: Payload, concurrency: int, warmup_s: float, duration_s: float, procs: int = 1
+) -> PointResult:
+    """One load point. With ``procs`` > 1 the workers are spread over that many client processes, so
+    that on a many-core host one Python client process is not what limits the throughput."""
+    procs = max(1, min(procs, concurrency))
+    window_start = time.monotonic() + warmup_s + (1.0 if procs > 1 else 0.0)  # + process start-up
+    window_end = window_start + duration_s
+    if procs == 1:
+        return asyncio.run(_load(url, payload, concurrency, window_start, window_end))
+    shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding a CUDA context
+    with concurrent.futures.ProcessPoolExecutor(max_workers=procs, mp_context=context) as pool:
+        futures = [pool.submit(_client_process, url, payload, n, window_start, window_end) for n in shares]
+        parts = [f.result() for f in futures]
+    latencies = [lat for part in parts for lat in part.latencies_ms]
+    first_error = next((p.first_error for p in parts if p.first_error), None)
+    return PointResult(len(latencies), sum(p.errors for p in parts), duration_s, latencies, first_error)
+
+
+_BATCH_METRIC = re.compile(r"^(\w*batch_size)_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+
+
+def batch_counters(url: str) -> tuple[float, float] | None:
+    """(samples, engine calls) so far from the server's /metrics batch-size histogram; None if absent."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    total = {"sum": 0.0, "count": 0.0}
+    found = False
+    for line in text.splitlines():
+        match = _BATCH_METRIC.match(line)
+        if match and match.group(1) == "service_batch_size":
+            total[match.group(2)] += float(match.group(3))
+            found = True
+    return (total["sum"], total["count"]) if found else None
+
+
+# ------------------------------------------------------------------------------------------ engine
+@dataclass
+class EngineTable:
+    """The in-process engine's Engine.run medians (ms) per batch size."""
+
+    provider: str
+    describe: dict[str, Any]
+    run_ms: dict[int, float]
+    run_p99_ms: dict[int, float]
+    bound_ms_b1: float | None
+
+    def latency_at(self, batch: float) -> float:
+        """Engine.run time at a (possibly fractional, mean) batch size: linear between measured sizes."""
+        sizes = sorted(self.run_ms)
+        return float(np.interp(batch, sizes, [self.run_ms[s] for s in sizes]))
+
+    def throughput_at(self, batch: float) -> float:
+        return batch / self.latency_at(batch) * 1e3
+
+
+def _time_run(engine: Any, feeds: dict[str, np.ndarray], runs: int, max_s: float) -> list[float]:
+    for _ in range(3):
+        engine.run(feeds)
+    times: list[float] = []
+    deadline = time.perf_counter() + max_s
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        engine.run(feeds)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def served_model(model_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
+    """The newest stored version of ``name``: its folder and metadata (variants, config, tuner record)."""
+    versions = sorted(
+        (p for p in (model_dir / name).glob("*") if p.is_dir() and p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
+    for version in reversed(versions):
+        meta_path = version / "metadata.json"
+        if meta_path.exists():
+            return version, json.loads(meta_path.read_text())
+    raise RuntimeError(f"no stored version of {name!r} under {model_dir}")
+
+
+def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
+    """The engine exactly as the server built it: same candidate graphs, config and tuner choice.
+
+    The registry gives ``select_variant`` the stored variants and its stored record; on the same GPU and
+    ORT version the record is reused, so no re-tuning and the same variant is timed here.
+    """
+    from service.model_config import ModelConfig
+    from service.optimizer.io import load_model_file
+    from service.runtime.autotune import select_variant
+    from service.settings import EngineSettings, ServiceSettings
+
+    version, meta = served_model(model_dir, name)
+    variants = (meta.get("optimization") or {}).get("variants") or {}
+    candidates = {key: load_model_file(version / entry["file"]) for key, entry in variants.items()}
+    settings = ServiceSettings(engine=EngineSettings(device=device))
+    effective = ModelConfig.from_dict(meta.get("config")).effective(settings)
+    engine, record = select_variant(
+        candidates,
+        effective.engine_settings(settings),
+        precision=effective.precision,
+        cached_choice=meta.get("engine"),
+    )
+    print(f"  engine variant {engine.variant} ({record.get('reason')}), version {version.name}", flush=True)
+    return engine
+
+
+def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: float) -> EngineTable:
+    """Time Engine.run (host arrays in and out, as the batcher calls it) per batch size, in-process."""
+    from service.runtime.engine import random_feeds
+
+    engine = load_served_engine(model_dir, DEMO_MODEL, device)
+    try:
+        run_ms, run_p99 = {}, {}
+        for batch in batches:
+            feeds = random_feeds(engine.inputs, batch, np.random.default_rng(batch))
+            times = _time_run(engine, feeds, runs=300 if batch == 1 else 100, max_s=max_s)
+            run_ms[batch] = common.median(times)
+            run_p99[batch] = common.percentile(times, 99)
+            print(f"  engine batch {batch:3d}: {run_ms[batch]:8.3f} ms  ({batch / run_ms[batch] * 1e3:9.1f}/s)")
+        bound = engine.time_batch(1, runs=300, max_s=max_s)
+        return EngineTable(engine.provider, engine.describe(), run_ms, run_p99, bound)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------------ main
+def _row(server: str, payload: Payload, concurrency: int, point: PointResult, batch: float | None, eng) -> dict:
+    throughput = point.requests * payload.samples / point.seconds if point.seconds else math.nan
+    row = {
+        "server": server,
+        "series": payload.series,
+        "concurrency": concurrency,
+        "requests": point.requests,
+        "errors": point.errors,
+        "throughput": throughput,
+        "p50_ms": common.percentile(point.latencies_ms, 50),
+        "p99_ms": common.percentile(point.latencies_ms, 99),
+        "mean_batch": batch,
+        "engine_fraction": throughput / eng.throughput_at(batch) if batch else None,
+    }
+    if point.first_error:
+        row["first_error"] = point.first_error
+    return row
+
+
+def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Namespace, eng: EngineTable) -> list:
+    rows = []
+    with running(server, args.ready_timeout):
+        for payload in payloads:
+            for concurrency in args.concurrency:
+                before = batch_counters(server.url)
+                point = run_point(server.url, payload, concurrency, args.warmup, args.duration, procs=args.client_procs)
+                after = batch_counters(server.url)
+                batch = None
+                if server.name == "naive":
+                    batch = float(payload.samples)  # one request = one inference, by construction
+                elif before and after and after[1] > before[1]:
+                    batch = (after[0] - before[0]) / (after[1] - before[1])
+                row = _row(server.name, payload, concurrency, point, batch, eng)
+                rows.append(row)
+                print(
+                    f"  {server.name:15s} {payload.series:6s} c={concurrency:3d}: {row['throughput']:8.1f}/s "
+                    f"p50 {row['p50_ms']:8.2f} ms p99 {row['p99_ms']:8.2f} ms batch {_fmt(batch)} "
+                    f"errors {point.errors}",
+                    flush=True,
+                )
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _find(rows: list[dict], server: str, series: str, concurrency: int) -> dict | None:
+    for row in rows:
+        if (row["server"], row["series"], row["concurrency"]) == (server, series, concurrency):
+            return row
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) -> dict[str, Any]:
+    """The issue's figures: single-request ratio, HTTP overhead, scaling, ratios to the baselines."""
+    low, high = min(concurrencies), (32 if 32 in concurrencies else max(concurrencies))
+    single = _find(rows, "service", "binary", low)
+    many = _find(rows, "service", "binary", high)
+    engine_p50 = eng.run_ms[1]
+    summary: dict[str, Any] = {
+        "engine_run_p50_ms_b1": engine_p50,
+        "engine_bound_ms_b1": eng.bound_ms_b1,
+        "service_binary_p50_ms_c1": single and single["p50_ms"],
+        "single_request_ratio": _ratio(single and single["p50_ms"], engine_p50),
+        "http_overhead_ms": (single["p50_ms"] - engine_p50) if single else None,
+        f"throughput_c{high}_vs_c{low}": _ratio(many and many["throughput"], single and single["throughput"]),
+        "best_engine_fraction": max(
+            (r["engine_fraction"] for r in rows if r["server"] == "service" and r["engine_fraction"]),
+            default=None,
+        ),
+        "ratios": [],
+    }
+    for c in concurrencies:
+        entry: dict[str, Any] = {"concurrency": c}
+        for series in ("binary", "json"):
+            ours = _find(rows, "service", series, c)
+            nobatch = _find(rows, "service_nobatch", series, c)
+            naive = _find(rows, "naive", "json", c)
+            entry[f"{series}_vs_nobatch"] = _ratio(ours and ours["throughput"], nobatch and nobatch["throughput"])
+            entry[f"{series}_vs_naive_json"] = _ratio(ours and ours["throughput"], naive and naive["throughput"])
+        summary["ratios"].append(entry)
+    summary["targets"] = {
+        "single_request_ratio<=1.5": _check(summary["single_request_ratio"], lambda v: v <= 1.5),
+        f"throughput_c{high}_vs_c{low}>=3": _check(summary[f"throughput_c{high}_vs_c{low}"], lambda v: v >= 3),
+        "engine_fraction>=0.8 (GPU target)": _check(summary["best_engine_fraction"], lambda v: v >= 0.8),
+    }
+    return summary
+
+
+def _check(value: float | None, test: Callable[[float], bool]) -> bool | None:
+    return None if value is None else bool(test(value))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="short points (CPU: the whole run in ~3 min)")
+    parser.add_argument("--duration", type=float, help="measured seconds per point (default 8, quick 3)")
+    parser.add_argument("--warmup", type=float, help="unmeasured seconds before each point (default 2, quick 1)")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--servers", default="service,service_nobatch,naive", help="comma-separated subset")
+    parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server")
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/service-<date>-<dev>.json)")
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+        help="client processes the workers are spread over (default: cores/4, 1 to 8)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary model store and server logs")
+    args = parser.parse_args(argv)
+    args.duration = args.duration or (3.0 if args.quick else 8.0)
+    args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
+    args.servers = [s for s in args.servers.split(",") if s]
+    args.series = [s for s in args.series.split(",") if s]
+    return args
+
+
+def resolve_device(requested: str) -> str:
+    """'cuda' or 'cpu' for the servers and the in-process engine (auto: what the engine would pick)."""
+    if requested != "auto":
+        return requested
+    from service.runtime.providers import resolve_device as engine_choice
+    from service.settings import EngineSettings
+
+    return "cuda" if engine_choice(EngineSettings(device="auto")).is_cuda else "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    head = common.header(packages=PACKAGES)
+    device = resolve_device(args.device)
+    print(f"service benchmark on {head['device']} ({device}), {args.duration:.0f} s per point", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    model_dir, logs = work / "models", work / "logs"
+    logs.mkdir(parents=True)
+    try:
+        return _run(args, head, device, work, model_dir, logs)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> int:
+    from service import zoo
+    from service.optimizer.io import save_model_file
+
+    load_start = os.getloadavg()  # recorded: a busy host makes every figure worse
+    original = work / f"{DEMO_MODEL}.onnx"
+    save_model_file(zoo.build(DEMO_MODEL), original)
+
+    # The store is filled (demo model optimized, tuned) by a first server start; later starts reuse it.
+    print("preparing the model store", flush=True)
+    with running(service_server("service_prepare", model_dir, device, logs), args.ready_timeout) as srv:
+        meta = httpx.get(f"{srv.url}/v2/models/{DEMO_MODEL}", timeout=10).json()
+    input_meta, output_meta = meta["inputs"][0], meta["outputs"][0]
+    per_sample_out = math.prod(d for d in output_meta["shape"][1:])
+
+    print("engine in-process (the served model and variant)", flush=True)
+    batches = sorted({1, *(b for b in (2, 4, 8, 16, 32, 64) if b <= max(args.concurrency))})
+    eng = measure_engine(model_dir, device, batches, max_s=1.0 if args.quick else 3.0)
+
+    sample = np.random.default_rng(0).standard_normal((1, *input_meta["shape"][1:]), dtype=np.float32)
+    makers = {"binary": binary_payload, "json": json_payload}
+    payloads = [
+        makers[s](DEMO_MODEL, input_meta["name"], output_meta["name"], sample, per_sample_out) for s in args.series
+    ]
+    rows: list[dict] = []
+    servers = {
+        "service": lambda: service_server("service", model_dir, device, logs),
+        "service_nobatch": lambda: service_server(
+            "service_nobatch", model_dir, device, logs, SERVICE_BATCHING__ENABLED="false"
+        ),
+        "naive": lambda: naive_server(original, device, logs),
+    }
+    for name in args.servers:
+        server = servers[name]()
+        usable = [p for p in payloads if name != "naive" or p.series == "json"]
+        rows.extend(bench_server(server, usable, args, eng))
+
+    summary = summarize(rows, eng, args.concurrency)
+    document = {
+        "benchmark": "service",
+        "model": DEMO_MODEL,
+        "engine_device": device,
+        "settings": {
+            "quick": args.quick,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "concurrency": args.concurrency,
+            "client": "httpx.AsyncClient, N workers back to back, spread over client_procs processes",
+            "client_procs": args.client_procs,
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+        },
+        "engine": {
+            "provider": eng.provider,
+            "run_ms": eng.run_ms,
+            "run_p99_ms": eng.run_p99_ms,
+            "bound_ms_b1": eng.bound_ms_b1,
+            "throughput": {b: b / ms * 1e3 for b, ms in eng.run_ms.items()},
+            "describe": eng.describe,
+        },
+        "rows": rows,
+        "summary": summary,
+    }
+    out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"
+    path = common.write_result("service", document, head=head, path=out)
+    _print_tables(rows, eng, summary)
+    print(f"\nwrote {path}")
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"warning: {errors} failed requests (see first_error in the rows)", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -> None:
+    engine_rows = [
+        {"batch": b, "run_ms": ms, "p99_ms": eng.run_p99_ms[b], "throughput": b / ms * 1e3}
+        for b, ms in eng.run_ms.items()
+    ]
+    common.print_table(engine_rows, ["batch", "run_ms", "p99_ms", "throughput"], title=f"engine ({eng.provider})")
+    columns = [
+        "server",
+        "series",
+        "concurrency",
+        "throughput",
+        "p50_ms",
+        "p99_ms",
+        "mean_batch",
+        "engine_fraction",
+        "errors",
+    ]
+    common.print_table(rows, columns, title="servers (throughput in samples/s)", digits=2)
+    scalars = [{"figure": k, "value": v} for k, v in summary.items() if k not in ("ratios", "targets")]
+    scalars += [{"figure": f"target {k}", "value": v} for k, v in summary["targets"].items()]
+    common.print_table(scalars, ["figure", "value"], title="summary", digits=3)
+    ratio_columns = [
+        "concurrency",
+        "binary_vs_nobatch",
+        "binary_vs_naive_json",
+        "json_vs_nobatch",
+        "json_vs_naive_json",
+    ]
+    common.print_table(summary["ratios"], ratio_columns, title="throughput ratios (same run)", digits=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
