@@ -1,0 +1,294 @@
+"""Engine on the CPU provider: buckets, padding, trimming, chunking, input checks, describe, device choice.
+
+The CUDA path's binding/staging/padding code is exercised on the CPU with ``_io_binding_on_cpu``; the
+real CUDA provider is covered by tests/gpu.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from service.errors import EngineError, InvalidInputError
+from service.runtime import providers
+from service.runtime.engine import Engine, signature
+from service.runtime.providers import cuda_status
+from service.settings import EngineSettings
+
+CPU_SETTINGS = EngineSettings(device="cpu", buckets=(1, 2, 4, 8))
+
+
+def tiny_cnn(*, batch: int | str = "N", seed: int = 0, size: int = 8) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv -> GlobalAveragePool -> Flatten: [batch, 3, size, size] -> [batch, 5]."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b1"),
+        numpy_helper.from_array(rng.standard_normal((5, 4, 3, 3)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 5])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """One-sample-at-a-time outputs from a plain ORT CPU session (independent of Engine)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(len(x))])
+
+
+@pytest.fixture(scope="module")
+def model() -> onnx.ModelProto:
+    return tiny_cnn()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["numpy", "bound"])
+def engine(request: pytest.FixtureRequest, model: onnx.ModelProto) -> Engine:
+    eng = Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=request.param)
+    yield eng
+    eng.close()
+
+
+def images(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 3, 8, 8)).astype(np.float32)
+
+
+def test_bucket_choice(engine: Engine) -> None:
+    assert [engine.bucket_for(n) for n in (1, 2, 3, 4, 5, 7, 8)] == [1, 2, 4, 4, 8, 8, 8]
+    assert engine.max_batch_size == 8
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_batch_equals_per_sample_runs(engine: Engine, model: onnx.ModelProto, n: int) -> None:
+    x = images(n)
+    out = engine.run({"x": x})["y"]
+    assert out.shape == (n, 5)
+    np.testing.assert_allclose(out, reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_do_not_leak_between_calls(engine: Engine, model: onnx.ModelProto) -> None:
+    """A full bucket then a partial one: the partial result must not depend on the earlier rows."""
+    engine.run({"x": images(8, seed=5) * 100})
+    x = images(5, seed=6)
+    np.testing.assert_allclose(engine.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_above_largest_bucket(engine: Engine, model: onnx.ModelProto) -> None:
+    x = images(19, seed=2)
+    out = engine.run({"x": x})["y"]
+    assert out.shape == (19, 5)
+    np.testing.assert_allclose(out, reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_not_overwritten_by_the_next_call(engine: Engine) -> None:
+    first = engine.run({"x": images(3, seed=3)})["y"]
+    kept = first.copy()
+    engine.run({"x": images(3, seed=4)})
+    np.testing.assert_array_equal(first, kept)
+
+
+def test_non_contiguous_input(engine: Engine, model: onnx.ModelProto) -> None:
+    x = images(8, seed=7)[::2]  # a strided view of 4 rows
+    expected = reference(model, np.ascontiguousarray(x))
+    np.testing.assert_allclose(engine.run({"x": x})["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("feeds", "words"),
+    [
+        ({"x": np.zeros((2, 3, 8, 8), np.float64)}, ["'x'", "dtype", "float32 [-1, 3, 8", "float64 [2, 3"]),
+        ({"x": np.zeros((2, 3, 9, 8), np.float32)}, ["'x'", "shape", "[-1, 3, 8, 8]", "[2, 3, 9, 8]"]),
+        ({"x": np.zeros((3, 8, 8), np.float32)}, ["'x'", "rank", "[-1, 3, 8, 8]", "[3, 8, 8]"]),
+        ({"x": np.zeros((0, 3, 8, 8), np.float32)}, ["'x'", "empty", "[0, 3, 8, 8]"]),
+        ({"image": np.zeros((1, 3, 8, 8), np.float32)}, ["'image'", "'x'"]),
+        ({}, ["missing", "'x'", "[-1, 3, 8, 8]"]),
+        ({"x": [[1.0]]}, ["'x'", "numpy array", "list"]),
+    ],
+    ids=["dtype", "shape", "rank", "empty", "unknown-name", "missing", "not-array"],
+)
+def test_wrong_inputs_are_rejected_with_details(engine: Engine, feeds: dict, words: list[str]) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        engine.run(feeds)
+    for word in words:
+        assert word in info.value.message
+    assert info.value.status == 400
+
+
+def test_inputs_with_different_batch_sizes_are_rejected() -> None:
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((2, 2)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("MatMul", ["s", "w"], ["y"])],
+        "two_inputs",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 2]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with Engine.load(model, CPU_SETTINGS) as eng:
+        a, b = rng.standard_normal((3, 2)).astype(np.float32), rng.standard_normal((3, 2)).astype(np.float32)
+        expected = (a + b) @ numpy_helper.to_array(w)
+        np.testing.assert_allclose(eng.run({"a": a, "b": b})["y"], expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InvalidInputError, match="batch size"):
+            eng.run({"a": a, "b": b[:2]})
+
+
+def test_fixed_batch_model_pads_and_chunks(model: onnx.ModelProto) -> None:
+    fixed = tiny_cnn(batch=4)
+    with Engine.load(fixed, CPU_SETTINGS) as eng:
+        assert eng.buckets == (4,) and eng.max_batch_size == 4
+        x = images(6, seed=8)
+        np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_describe(engine: Engine) -> None:
+    info = engine.describe()
+    assert info["provider"] == "CPUExecutionProvider" == engine.provider
+    assert info["variant"] == "tiny"
+    assert info["buckets"] == [1, 2, 4, 8]
+    assert info["max_batch_size"] == 8
+    assert info["cuda_graph"] is False
+    assert info["precision"] == "fp32"
+    assert info["nodes"] == 5
+    assert info["device"] == "device=cpu in the settings"
+    assert info["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 8, 8]}]
+    assert info["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 5]}]
+
+
+def test_signature_from_model_bytes(model: onnx.ModelProto) -> None:
+    with Engine.load(model.SerializeToString(), CPU_SETTINGS) as eng:
+        assert [(s.name, s.shape, str(s.dtype)) for s in eng.inputs] == [("x", (None, 3, 8, 8), "float32")]
+        assert [(s.name, s.shape) for s in eng.outputs] == [("y", (None, 5))]
+    assert signature(model)[0] == eng.inputs
+
+
+def test_closed_engine_refuses_to_run(model: onnx.ModelProto) -> None:
+    eng = Engine.load(model, CPU_SETTINGS)
+    eng.close()
+    eng.close()  # idempotent
+    with pytest.raises(EngineError, match="closed"):
+        eng.run({"x": images(1)})
+
+
+def test_ort_failure_becomes_engine_error_without_paths() -> None:
+    """Reshape to a fixed [1, 4] fails inside ORT for batch 2: a short EngineError, no file paths."""
+    shape = numpy_helper.from_array(np.array([1, 4], np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        "bad_reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [shape],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with Engine.load(model, CPU_SETTINGS) as eng, pytest.raises(EngineError) as info:
+        eng.run({"x": np.ones((2, 4), np.float32)})
+    assert info.value.status == 500
+    assert "/onnxruntime_src" not in info.value.message and ".cc" not in info.value.message
+    assert len(info.value.message) < 300
+
+
+def test_time_batch_returns_positive_median(engine: Engine) -> None:
+    assert engine.time_batch(2, runs=5, max_s=0.1) > 0
+
+
+# ------------------------------------------------------------------------------------ device choice
+def test_cuda_status_is_quiet_and_explains(capfd: pytest.CaptureFixture[str]) -> None:
+    providers._cuda_status_cached.cache_clear()
+    providers._driver_status.cache_clear()
+    usable, reason = cuda_status(0)
+    out, err = capfd.readouterr()
+    assert isinstance(usable, bool) and reason
+    assert "Traceback" not in reason and "\n" not in reason
+    if not usable:
+        assert out == "" and err == "", "probing CUDA printed to stdout/stderr"
+    assert cuda_status(0) == (usable, reason)  # cached
+
+
+@pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
+def test_auto_falls_back_to_cpu_with_one_log_line(
+    model: onnx.ModelProto, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="service.runtime"):
+        eng = Engine.load(model, EngineSettings(device="auto"))
+    eng.close()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("service.runtime")]
+    assert len(lines) == 1
+    assert "CPUExecutionProvider" in lines[0] and "CUDA not usable" in lines[0]
+    assert eng.provider == "CPUExecutionProvider"
+    _out, err = capfd.readouterr()
+    assert "onnxruntime" not in err and "Failed" not in err
+
+
+@pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
+def test_device_cuda_without_gpu_raises(model: onnx.ModelProto) -> None:
+    with pytest.raises(EngineError, match="CUDA is not usable"):
+        Engine.load(model, EngineSettings(device="cuda"))
+
+
+# ------------------------------------------------------------------------------------- capture lock
+def test_capture_lock_keeps_captures_apart_from_shared_users() -> None:
+    import threading
+    import time
+
+    from service.runtime.engine import _CaptureLock
+
+    lock, events = _CaptureLock(), []
+    lock.acquire_shared()
+    lock.acquire_shared()  # shared users do not exclude each other
+
+    def capture() -> None:
+        lock.acquire_exclusive()
+        events.append("capture")
+        lock.release_exclusive()
+
+    def late_reader() -> None:
+        lock.acquire_shared()
+        events.append("late reader")
+        lock.release_shared()
+
+    writer = threading.Thread(target=capture)
+    writer.start()
+    time.sleep(0.05)
+    reader = threading.Thread(target=late_reader)  # arrives while a capture waits: goes after it
+    reader.start()
+    time.sleep(0.05)
+    assert events == []
+    lock.release_shared()
+    lock.release_shared()
+    writer.join(2)
+    reader.join(2)
+    assert events == ["capture", "late reader"]
+
+
+def test_run_from_another_thread(engine: Engine, model: onnx.ModelProto) -> None:
+    import threading
+
+    x, box = images(3, seed=9), {}
+    worker = threading.Thread(target=lambda: box.update(engine.run({"x": x})))
+    worker.start()
+    worker.join(10)
+    np.testing.assert_allclose(box["y"], reference(model, x), rtol=1e-5, atol=1e-5)

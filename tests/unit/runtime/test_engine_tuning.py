@@ -1,0 +1,184 @@
+"""fp16 conversion/check and the variant tuner, on the CPU provider.
+
+The tuner's timing loop is provider-agnostic, so it is run here on CPU engines (``_tune``); the CUDA
+decision itself (and real timings) are covered by tests/gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from service.runtime import autotune
+from service.runtime.autotune import Config, select_variant
+from service.runtime.engine import Engine
+from service.runtime.precision import check_fp16, to_fp16
+from service.runtime.providers import cuda_status
+from service.settings import EngineSettings
+
+CPU = EngineSettings(device="cpu", buckets=(1, 2, 4))
+
+
+def conv_relu_net(*, fused: bool, seed: int = 0, scale: float = 1.0) -> onnx.ModelProto:
+    """Conv+Relu (or FusedConv Relu) -> Conv -> GlobalAveragePool -> Flatten: [N, 3, 8, 8] -> [N, 10]."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3 * scale).astype(np.float32), "w1"),
+        numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((10, 8, 3, 3)) * 0.3).astype(np.float32), "w2"),
+    ]
+    if fused:
+        first = [helper.make_node("FusedConv", ["x", "w1", "b1"], ["r1"], domain="com.microsoft",
+                                  activation="Relu", pads=[1, 1, 1, 1])]
+    else:
+        first = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+                 helper.make_node("Relu", ["c1"], ["r1"])]
+    nodes = [
+        *first,
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_relu_net",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+@pytest.fixture(scope="module")
+def candidates() -> dict[str, onnx.ModelProto]:
+    return {"fused": conv_relu_net(fused=True), "plain": conv_relu_net(fused=False)}
+
+
+# ------------------------------------------------------------------------------------------- fp16
+def test_to_fp16_keeps_fp32_io_and_converts_weights(candidates: dict[str, onnx.ModelProto]) -> None:
+    half = to_fp16(candidates["plain"])
+    assert half.ir_version == 8
+    assert half.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert half.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert {t.data_type for t in half.graph.initializer} == {TensorProto.FLOAT16}
+    assert sum(n.op_type == "Cast" for n in half.graph.node) >= 2
+    assert candidates["plain"].graph.initializer[0].data_type == TensorProto.FLOAT  # source untouched
+
+
+def test_to_fp16_leaves_fusedconv_in_fp32(candidates: dict[str, onnx.ModelProto]) -> None:
+    half = to_fp16(candidates["fused"])
+    fused = next(n for n in half.graph.node if n.op_type == "FusedConv")
+    types = {t.name: t.data_type for t in half.graph.initializer}
+    weight_types = {types[name] for name in fused.input[1:] if name in types}
+    assert weight_types == {TensorProto.FLOAT}  # FusedConv's CUDA kernel is float only
+    assert types["w2"] == TensorProto.FLOAT16
+
+
+def test_fp16_engine_passes_check_and_reports_precision(candidates: dict[str, onnx.ModelProto]) -> None:
+    with Engine.load(candidates["plain"], CPU) as e32, Engine.load(to_fp16(candidates["plain"]), CPU) as e16:
+        assert e16.describe()["precision"] == "fp16"
+        result = check_fp16(e16, e32, batch=4, trials=2)
+        assert result.ok, result.reason
+        assert 0 < result.rel_l2 < 2e-2
+        assert result.top1_agreement is not None and result.decided_rows > 0
+
+
+def test_fp16_check_fails_on_a_different_function() -> None:
+    """The check must be able to fail: a model with other weights is not 'within tolerance'."""
+    with (
+        Engine.load(conv_relu_net(fused=False, seed=0), CPU) as ref,
+        Engine.load(to_fp16(conv_relu_net(fused=False, seed=0, scale=1.3)), CPU) as other,
+    ):
+        result = check_fp16(other, ref, batch=4, trials=1)
+    assert not result.ok
+    assert "relative L2" in result.reason or "top-1" in result.reason
+
+
+# ------------------------------------------------------------------------------------------- tuner
+def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelProto]) -> None:
+    auto = EngineSettings(prefer_nhwc="auto")
+    keys = [c.key for c in autotune._configs(candidates, auto, "auto")]
+    assert keys == [
+        "plain/nhwc/fp32", "plain/nchw/fp32", "fused/nhwc/fp32", "fused/nchw/fp32",
+        "plain/nhwc/fp16", "plain/nchw/fp16",
+    ]
+    fixed = EngineSettings(prefer_nhwc="off")
+    fp32 = [c.key for c in autotune._configs(candidates, fixed, "fp32")]
+    assert fp32 == ["plain/nchw/fp32", "fused/nchw/fp32"]
+    assert [c.key for c in autotune._configs(candidates, fixed, "fp16")] == ["plain/nchw/fp16"]
+
+
+def test_score_is_a_geometric_mean_over_common_batches() -> None:
+    assert autotune._score({"1": 1.0, "64": 4.0}, {"1": 2.0, "64": 2.0}) == pytest.approx(1.0)
+    assert autotune._score({"1": 1.0, "64": 4.0}, {"1": 2.0}) == pytest.approx(0.5)
+
+
+def test_cached_choice_only_reused_on_same_device_and_version(candidates: dict[str, onnx.ModelProto]) -> None:
+    configs = autotune._configs(candidates, EngineSettings(), "fp32")
+    choice = Config("fused", False, "fp32").to_dict()
+    good = {"choice": choice, "device": "GPU X", "ort_version": ort.__version__}
+    assert autotune._cached_config(good, "GPU X", configs) == Config("fused", False, "fp32")
+    assert autotune._cached_config(good, "GPU Y", configs) is None
+    assert autotune._cached_config({**good, "ort_version": "0.0"}, "GPU X", configs) is None
+    fp16 = {**good, "choice": Config("plain", True, "fp16").to_dict()}
+    assert autotune._cached_config(fp16, "GPU X", configs) is None  # fp16 not allowed for precision fp32
+    assert autotune._cached_config({**good, "choice": {"bogus": 1}}, "GPU X", configs) is None
+
+
+def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, onnx.ModelProto]) -> None:
+    settings = CPU.model_copy(update={"buckets": (1, 4)})
+    configs = autotune._configs(candidates, settings.model_copy(update={"prefer_nhwc": "off"}), "auto")
+    engine, record = autotune._tune(candidates, settings, configs, "test-device", budget_s=30.0)
+    try:
+        assert set(record["timings_ms"]) == {c.key for c in configs}
+        for timing in record["timings_ms"].values():
+            assert set(timing) == {"1", "4"} and all(v > 0 for v in timing.values())
+        timings = record["timings_ms"]
+        best = min(timings, key=lambda k: float(np.prod(list(timings[k].values()))))  # same batches for all
+        assert engine.variant == Config(**record["choice"]).key == best
+        assert record["fp16_checks"]["plain"]["ok"] is True
+        assert record["device"] == "test-device" and record["ort_version"] == ort.__version__
+        x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float32)
+        assert engine.run({"x": x})["y"].shape == (3, 10)
+    finally:
+        engine.close()
+
+
+def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> None:
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp32")
+    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=0.0)
+    engine.close()
+    assert list(record["timings_ms"]) == ["plain/nchw/fp32"]
+    assert record["skipped"] == {"fused/nchw/fp32": "time budget spent"}
+
+
+@pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
+def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, onnx.ModelProto]) -> None:
+    engine, record = select_variant(candidates, EngineSettings(buckets=(1, 2)), precision="auto")
+    try:
+        assert engine.provider == "CPUExecutionProvider"
+        assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32"}
+        assert record["timings_ms"] == {}
+        assert "CPU" in record["reason"] and "fp16 not used" in record["reason"]
+        x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
+        plain = ort.InferenceSession(candidates["plain"].SerializeToString(), providers=[engine.provider])
+        expected = plain.run(None, {"x": x})[0]
+        np.testing.assert_allclose(engine.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.close()
+    only_plain, record = select_variant({"plain": candidates["plain"]}, EngineSettings(device="cpu"))
+    only_plain.close()
+    assert record["choice"]["variant"] == "plain"
+
+
+def test_select_variant_rejects_bad_arguments(candidates: dict[str, onnx.ModelProto]) -> None:
+    with pytest.raises(ValueError, match="candidate"):
+        select_variant({}, CPU)
+    with pytest.raises(ValueError, match="precision"):
+        select_variant(candidates, CPU, precision="int8")
