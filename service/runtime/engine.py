@@ -688,9 +688,6 @@ def _cpu_session(data: bytes, settings: EngineSettings) -> ort.InferenceSession:
     options = _session_options()
     if settings.intra_op_threads:
         options.intra_op_num_threads = settings.intra_op_threads
-    # Spinning worker threads would take the cores the event loop and HTTP parsing need (2-core hosts:
-    # 3-5x slower per sample inside the server than alone, bench/results/service-2026-11-29-cpu.json).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(data, options, providers=[CPU])
     except Exception as exc:
