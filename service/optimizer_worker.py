@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +51,10 @@ RESULT = "result.json"
 FUSED_FILE = "optimized.onnx"
 PLAIN_FILE = "optimized-plain.onnx"
 _OUTPUT_TAIL = 4000
+EXIT_NO_SPACE = 4
+"""The child's exit status when the disk is too full even for its report (the parent answers 507)."""
+_SIGNATURE_RE = re.compile(r"onnxruntime::[\w:]+(?:\([^)]*\))?\s*")
+_SOURCE_PATH_RE = re.compile(r"\S*/\S+\.(?:cc|cpp|c|h|hpp|cu|py|so)\b(?::\d+)?:?\s*")
 _MEMORY_WORDS = ("bad_alloc", "failed to allocate", "cannot allocate memory", "memoryerror", "out of memory")
 # Errors the child may report, by class name; anything else becomes a plain OptimizationError.
 _ERRORS: dict[str, type[ServiceError]] = {
@@ -166,7 +171,7 @@ class OptimizerRunner:
             with self._lock:
                 self._live.discard(proc)
         elapsed = time.monotonic() - started
-        return _read_result(out_dir, proc.returncode, output, elapsed, self.memory_limit_mb)
+        return _read_result(out_dir, proc.returncode, output, elapsed, self.memory_limit_mb, source)
 
     def kill_all(self) -> None:
         with self._lock:
@@ -205,13 +210,15 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _read_result(
-    out_dir: Path, returncode: int, output: bytes, duration_s: float, limit_mb: int
+    out_dir: Path, returncode: int, output: bytes, duration_s: float, limit_mb: int, source: Path | None = None
 ) -> OptimizeOutcome:
     tail = output[-_OUTPUT_TAIL:].decode("utf-8", "replace")
     try:
         result = json.loads((out_dir / RESULT).read_bytes())
     except (OSError, ValueError):
         result = None
+    if not isinstance(result, dict) and returncode == EXIT_NO_SPACE:
+        raise InsufficientStorageError("not enough disk space to optimize the model")
     if not isinstance(result, dict):
         log.warning("optimizer child exited with %s without a result; output tail:\n%s", returncode, tail)
         if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or _looks_like_oom(tail):
@@ -226,7 +233,7 @@ def _read_result(
                 f"optimization exceeded the memory limit of {limit_mb} MiB (limit: optimizer.memory_limit_mb)"
             )
         error = _ERRORS.get(str(result.get("error")), OptimizationError)
-        raise error(str(result.get("message") or "optimization failed"))
+        raise error(client_message(str(result.get("message") or "optimization failed"), out_dir, source))
     return OptimizeOutcome(
         out_dir=out_dir,
         sha256=result["sha256"],
@@ -236,6 +243,19 @@ def _read_result(
         variants=result["variants"],
         duration_s=duration_s,
     )
+
+
+def client_message(text: str, *private: Path | None) -> str:
+    """A child's error message as a client may see it: without the server's folders (staging, store,
+    project, Python installation) or source-file locations that library messages (ONNX Runtime's
+    ``/onnxruntime_src/...cc:123``) carry, and bounded in length."""
+    folders = {str(p) for p in private if p is not None}
+    folders |= {str(p.parent) for p in private if p is not None}
+    folders |= {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parent.parent)}
+    for folder in sorted((f for f in folders if len(f) > 1), key=len, reverse=True):
+        text = re.sub(re.escape(folder) + r"[^\s'\"]*", "<file>", text)
+    text = _SIGNATURE_RE.sub("", _SOURCE_PATH_RE.sub("", text)).strip()
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def _looks_like_oom(text: str) -> bool:
@@ -370,11 +390,22 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, ServiceError | MemoryError):
             logging.getLogger(__name__).warning("optimization failed", exc_info=True)
         result = _failure(exc)
+        _discard_variants(args.out_dir)  # a half-written copy only takes the space the report needs
     try:
         _write(args.out_dir / RESULT, json.dumps(result).encode())
     except MemoryError:
         return 3
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return EXIT_NO_SPACE
+        raise
     return 0
+
+
+def _discard_variants(out_dir: Path) -> None:
+    for name in (FUSED_FILE, PLAIN_FILE):
+        with contextlib.suppress(OSError):
+            (out_dir / name).unlink()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ path traversal through ONNX external data (CVE-2022-25882, CVE-2024-27318 and sy
 NO external data anywhere, so no file outside the upload is ever opened), custom-domain ops that would load
 native code or hit unreviewed kernels (only the standard and ONNX Runtime domains are allowed), absurd
 nesting of subgraphs (stack exhaustion) and absurd declared shapes. Memory bombs in foldable constants are
-handled by running the optimizer in a resource-limited child process (``service.optimizer_worker``).
+handled by running the optimizer in a resource-limited child process (``service.optimizer_worker``); the
+ones that only go off for some request values (``ConstantOfShape`` of a number taken from the input) are
+refused here, because they would go off in the server itself, at inference time (see ``SIZE_INPUTS``).
 
 ``validate_model_name`` keeps names safe to use as one path component: the store still resolves and checks
 every path it builds.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import onnx
 from onnx import AttributeProto, TensorProto
@@ -31,6 +33,34 @@ MAX_RANK = 8
 MAX_FIXED_ELEMENTS = 1 << 28
 """Largest product of the fixed dims of one input (2**28 float32 = 1 GiB)."""
 MIN_DEFAULT_OPSET = 7
+SIZE_INPUTS: dict[str, tuple[int, ...]] = {
+    "ConstantOfShape": (0,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Range": (0, 1, 2),
+    "OneHot": (1,),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "Pad": (1,),
+    "CenterCropPad": (1,),
+    "MaxUnpool": (2,),
+    "Col2Im": (1, 2),
+    "AffineGrid": (1,),
+    "DFT": (1,),
+    "STFT": (2, 3),
+    "HannWindow": (0,),
+    "HammingWindow": (0,),
+    "BlackmanWindow": (0,),
+    "MelWeightMatrix": (0, 1),
+    "ImageDecoder": (0,),
+    "Loop": (0,),
+}
+"""Standard ops whose listed inputs set, by their VALUES, an output size (Loop: the trip count). Such an
+input must not depend on the values of the model's inputs: otherwise one request (a large number in an
+image) could make the server allocate without bound or loop forever at inference time, where no child
+process limits it. Depending on input *shapes* (through Shape/Size) is fine: the request size limits
+bound those, and verification has run the model at small batch sizes under the optimizer's limits."""
+_SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", re.ASCII)
 NAME_RULE = "1-64 characters: letters, digits, '_', '.', '-', starting with a letter or digit, no '..'"
@@ -62,6 +92,7 @@ def validate_model(model: onnx.ModelProto) -> None:
         _check_graph(graph, where, functions)
     _check_signature(model.graph)
     _run_checker(model)
+    _check_value_dependent_sizes(model)
 
 
 def model_signature(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -171,6 +202,51 @@ def _no_external_data(tensor: TensorProto, what: str) -> None:
 def _no_external_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
     _no_external_data(sparse.values, what)
     _no_external_data(sparse.indices, what)
+
+
+# ---------------------------------------------------------------------- sizes set by request values
+
+
+def _check_value_dependent_sizes(model: onnx.ModelProto) -> None:
+    """Follow which tensors depend on the VALUES of the model's inputs (not only on their shapes) and
+    refuse a size-setting input (``SIZE_INPUTS``) among them. Runs after the checker, which guarantees
+    topologically sorted nodes, so one forward pass sees every producer before its consumers."""
+    tainted = {v.name for v in _real_inputs(model.graph)}
+    _taint_nodes(model.graph.node, tainted, "main graph")
+    for function in model.functions:  # conservatively: every formal input may carry request values
+        _taint_nodes(function.node, set(function.input), f"function {_short(function.name)!r}")
+
+
+def _taint_nodes(nodes: Sequence[onnx.NodeProto], tainted: set[str], where: str) -> None:
+    """Add to ``tainted`` the outputs of ``nodes`` computed from tainted values; raise on a tainted
+    size input. One shared set serves nested subgraphs (ONNX names are unique across scopes, and a
+    shared set can only over-approximate)."""
+    for node in nodes:
+        standard = node.domain in ("", "ai.onnx")
+        from_values = any(name in tainted for name in node.input if name)
+        if standard:
+            _check_size_inputs(node, tainted, where)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs):
+                if from_values:
+                    tainted.update(v.name for v in sub.input)
+                _taint_nodes(sub.node, tainted, f"subgraph of node {_short(node.name or node.op_type)!r}")
+                from_values = from_values or any(v.name in tainted for v in sub.output)
+        if from_values and not (standard and node.op_type in _SHAPE_ONLY_OPS):
+            tainted.update(name for name in node.output if name)
+
+
+def _check_size_inputs(node: onnx.NodeProto, tainted: set[str], where: str) -> None:
+    label = f"node {_short(node.name or node.op_type)!r} ({where})"
+    if node.op_type == "Loop" and (not node.input or not node.input[0]):
+        raise InvalidModelError(f"{label}: a Loop needs a trip count (while-loops are not accepted)")
+    for index in SIZE_INPUTS.get(node.op_type, ()):
+        if index < len(node.input) and node.input[index] in tainted:
+            raise InvalidModelError(
+                f"{label}: input {index} of {node.op_type} sets a tensor size (or trip count) from the "
+                "values of the model's inputs, so one request could exhaust the server's memory or time; "
+                "only constants and input shapes may set sizes"
+            )
 
 
 # ---------------------------------------------------------------------- inputs and outputs

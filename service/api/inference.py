@@ -78,6 +78,9 @@ async def infer(
         watch.cancel()
         if not work.done():
             work.cancel()
+            # Let it unwind before answering: its queue slot is free (and the depth gauge updated) by the
+            # time the handler returns. asyncio.wait never raises work's own CancelledError.
+            await asyncio.wait((work,))
     if work not in done:
         raise ClientDisconnect()
     return work.result()

@@ -259,8 +259,9 @@ def _tune(
         if config is None:
             raise RuntimeError("the tuner chose no configuration")
     except Exception as exc:
-        config = next((c for c in configs if c.precision == "fp32"), configs[0])
-        record = _record(config, device=device, reason=f"tuner failed ({_short_error(exc)}); first fp32 served")
+        # fp32 even when only fp16 was asked for: a failing fp16 graph must not reach the serving process
+        config = dataclasses.replace(configs[0], precision="fp32")
+        record = _record(config, device=device, reason=f"tuner failed ({_short_error(exc)}); {config.key} served")
         logger.warning("autotune: %s", record["reason"])
     record["elapsed_s"] = round(time.monotonic() - started, 2)
     engine = _load(candidates, config, settings)

@@ -7,15 +7,8 @@ the bundled demo model, checked against ONNX Runtime on the zoo graph.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,15 +16,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from live_server import AUTH, GRACE_S, running
 from onnx import TensorProto, helper, numpy_helper
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "e2e-admin-token-0123456789abcdef"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+))")
-GRACE_S = 5.0
 
 
 def tiny_cnn(seed: int = 0) -> bytes:
@@ -70,90 +58,6 @@ def ort_reference(model: bytes | onnx.ModelProto, x: np.ndarray) -> dict[str, np
     sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, {sess.get_inputs()[0].name: x}), strict=True))
-
-
-class Server:
-    """One ``python -m service serve --port 0`` process; the URL comes from its 'listening on' line."""
-
-    def __init__(self, model_dir: Path, logs: Path, demo: bool = False, ready_timeout: float = 60.0) -> None:
-        self.logs = logs
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
-        env.update(
-            SERVICE_ADMIN_TOKEN=TOKEN,
-            SERVICE_DEMO_MODEL="true" if demo else "false",
-            SERVICE_ENGINE__DEVICE="cpu",
-            SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
-            SERVICE_LOG_LEVEL="info",
-            PYTHONPATH=str(ROOT),
-        )
-        logs.mkdir(parents=True, exist_ok=True)
-        self.stdout_path = logs / "stdout.txt"
-        with open(self.stdout_path, "wb") as out, open(logs / "stderr.txt", "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--port", "0", "--model-dir", str(model_dir)],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=err,
-            )
-        self.url = self._wait_listening(timeout=30.0)
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self.started = time.monotonic()
-        self._wait_ready(ready_timeout)
-        self.ready_after_s = time.monotonic() - self.started
-
-    def _fail(self, why: str) -> None:
-        self.kill()
-        err = (self.logs / "stderr.txt").read_text(errors="replace")[-3000:]
-        pytest.fail(f"{why}; server stderr:\n{err}")
-
-    def _wait_listening(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = LISTENING.search(self.stdout_path.read_text(errors="replace"))
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                self._fail(f"server exited with {self.proc.returncode} before listening")
-            time.sleep(0.05)
-        self._fail("server did not print its URL")
-        raise AssertionError  # unreachable
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{self.url}/v2/health/ready", timeout=2)
-                if r.status_code == 200:
-                    return
-                assert r.status_code == 503  # not ready yet, but alive and answering
-            if self.proc.poll() is not None:
-                self._fail(f"server exited with {self.proc.returncode} while loading")
-            time.sleep(0.1)
-        self._fail(f"server not ready after {timeout:.0f} s")
-
-    def terminate(self) -> int:
-        """SIGTERM; returns the exit status (must come within the grace period)."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=GRACE_S + 10)
-        except subprocess.TimeoutExpired:
-            self._fail("server did not exit after SIGTERM")
-            raise
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def running(model_dir: Path, logs: Path, **kwargs: object) -> Iterator[Server]:
-    server = Server(model_dir, logs, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def triton_infer(port: int, x: np.ndarray, binary_in: bool = True) -> dict[str, np.ndarray]:

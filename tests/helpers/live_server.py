@@ -1,0 +1,141 @@
+"""Start the real thing, ``python -m service serve``, as a subprocess on a free loopback port.
+
+Shared by the e2e, security and reliability tests (import after putting ``tests/helpers`` on
+``sys.path``, as their ``conftest.py`` does). The URL comes from the server's ``listening on`` line, so
+``--port 0`` picks a free port without races.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "e2e-admin-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+OCTET = "application/octet-stream"
+LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+))")
+GRACE_S = 5.0
+
+
+class Server:
+    """One ``python -m service serve --port 0`` process; ``env`` adds or overrides SERVICE_* variables."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        logs: Path,
+        demo: bool = False,
+        ready_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.logs = logs
+        self.model_dir = model_dir
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+        full_env.update(
+            SERVICE_ADMIN_TOKEN=TOKEN,
+            SERVICE_DEMO_MODEL="true" if demo else "false",
+            SERVICE_ENGINE__DEVICE="cpu",
+            SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
+            SERVICE_LOG_LEVEL="info",
+            PYTHONPATH=str(ROOT),
+        )
+        full_env.update(env or {})
+        self.grace_s = float(full_env["SERVICE_SHUTDOWN_GRACE_S"])
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = logs / "stdout.txt"
+        self.stderr_path = logs / "stderr.txt"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service", "serve", "--port", "0", "--model-dir", str(model_dir)],
+                cwd=ROOT,
+                env=full_env,
+                stdout=out,
+                stderr=err,
+            )
+        self.url = self._wait_listening(timeout=30.0)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.started = time.monotonic()
+        self._wait_ready(ready_timeout)
+        self.ready_after_s = time.monotonic() - self.started
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def _fail(self, why: str) -> None:
+        self.kill()
+        pytest.fail(f"{why}; server stderr:\n{self.stderr()[-3000:]}")
+
+    def _wait_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = LISTENING.search(self.stdout_path.read_text(errors="replace"))
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                self._fail(f"server exited with {self.proc.returncode} before listening")
+            time.sleep(0.05)
+        self._fail("server did not print its URL")
+        raise AssertionError  # unreachable
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{self.url}/v2/health/ready", timeout=2)
+                if r.status_code == 200:
+                    return
+                assert r.status_code == 503  # not ready yet, but alive and answering
+            if self.proc.poll() is not None:
+                self._fail(f"server exited with {self.proc.returncode} while loading")
+            time.sleep(0.1)
+        self._fail(f"server not ready after {timeout:.0f} s")
+
+    def terminate(self) -> int:
+        """SIGTERM; returns the exit status (must come within the grace period)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=self.grace_s + 10)
+        except subprocess.TimeoutExpired:
+            self._fail("server did not exit after SIGTERM")
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL (kill -9): no cleanup of any kind runs in the server."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, logs: Path, **kwargs: object) -> Iterator[Server]:
+    server = Server(model_dir, logs, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def upload(url: str, name: str, model: bytes, config: str | None = None, timeout: float = 120) -> httpx.Response:
+    """POST a raw model body with the admin token."""
+    return httpx.post(
+        f"{url}/v1/models/{name}",
+        content=model,
+        params={"config": config} if config is not None else None,
+        headers={**AUTH, "content-type": OCTET},
+        timeout=timeout,
+    )
