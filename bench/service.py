@@ -136,7 +136,7 @@ def service_server(name: str, model_dir: Path, device: str, logs: Path, **env: s
         SERVICE_DEMO_MODEL="true",
         SERVICE_ENGINE__DEVICE=device,
         SERVICE_LOG_LEVEL="warning",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         **env,
     )
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
