@@ -4,6 +4,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test || exit 1
+# Optional: the PyTorch exporter tests (tests/integration/test_torch_exports.py) run where torch imports.
+# PyPI's torch is a multi-GB CUDA build, so torch is installed only from a local CPU wheel when one is there
+# (this project's CI machines keep one in /opt/wheels; point TORCH_WHEEL_DIR elsewhere if you have one).
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  tag=$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls "${TORCH_WHEEL_DIR:-/opt/wheels}"/torch-*+cpu-"$tag"-*.whl 2>/dev/null | head -1)
+  if [ -n "$wheel" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel" onnxscript || echo "torch not installed: exporter tests will be skipped" >&2
+  fi
+fi
 .venv/bin/ruff check service tests bench loadtests || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
