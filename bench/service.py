@@ -400,9 +400,46 @@ def _row(server: str, payload: Payload, concurrency: int, point: PointResult, ba
     return row
 
 
+def single_request_latency(url: str, payload: Payload, requests: int = 200, warmup: int = 20) -> list[float]:
+    """Latencies (ms) of requests sent one at a time on one keep-alive connection by a plain blocking
+    client: the server's own per-request cost, without an asyncio client's scheduling on top."""
+    times = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for index in range(warmup + requests):
+            started = time.perf_counter()
+            resp = client.post(payload.path, content=payload.body, headers=payload.headers)
+            elapsed = (time.perf_counter() - started) * 1e3
+            if not response_ok(payload, resp):
+                raise RuntimeError(f"single request failed: {resp.status_code} {resp.text[:200]}")
+            if index >= warmup:
+                times.append(elapsed)
+    return times
+
+
 def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Namespace, eng: EngineTable) -> list:
     rows = []
     with running(server, args.ready_timeout):
+        for payload in payloads:
+            if server.name == "service" and payload.series == "binary":
+                times = single_request_latency(server.url, payload)
+                rows.append(
+                    {
+                        "server": server.name,
+                        "series": "binary_sync",
+                        "concurrency": 1,
+                        "p50_ms": float(np.median(times)),
+                        "p99_ms": float(np.percentile(times, 99)),
+                        "throughput": 1e3 / float(np.mean(times)),
+                        "mean_batch": 1.0,
+                        "errors": 0,
+                        "engine_fraction": None,
+                    }
+                )
+                print(
+                    f"  {server.name:15s} binary one request at a time (blocking client): "
+                    f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms",
+                    flush=True,
+                )
         for payload in payloads:
             for concurrency in args.concurrency:
                 before = batch_counters(server.url)
@@ -445,14 +482,17 @@ def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) 
     """The issue's figures: single-request ratio, HTTP overhead, scaling, ratios to the baselines."""
     low, high = min(concurrencies), (32 if 32 in concurrencies else max(concurrencies))
     single = _find(rows, "service", "binary", low)
+    alone = _find(rows, "service", "binary_sync", 1)
     many = _find(rows, "service", "binary", high)
     engine_p50 = eng.run_ms[1]
     summary: dict[str, Any] = {
         "engine_run_p50_ms_b1": engine_p50,
         "engine_bound_ms_b1": eng.bound_ms_b1,
         "service_binary_p50_ms_c1": single and single["p50_ms"],
-        "single_request_ratio": _ratio(single and single["p50_ms"], engine_p50),
-        "http_overhead_ms": (single["p50_ms"] - engine_p50) if single else None,
+        "service_binary_p50_ms_one_at_a_time": alone and alone["p50_ms"],
+        "single_request_ratio": _ratio(alone and alone["p50_ms"], engine_p50),
+        "single_request_ratio_async_client": _ratio(single and single["p50_ms"], engine_p50),
+        "http_overhead_ms": (alone["p50_ms"] - engine_p50) if alone else None,
         f"throughput_c{high}_vs_c{low}": _ratio(many and many["throughput"], single and single["throughput"]),
         "best_engine_fraction": max(
             (r["engine_fraction"] for r in rows if r["server"] == "service" and r["engine_fraction"]),
