@@ -16,41 +16,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from builders import tiny_cnn
 from live_server import AUTH, GRACE_S, running
-from onnx import TensorProto, helper, numpy_helper
 
 pytestmark = pytest.mark.e2e
-
-
-def tiny_cnn(seed: int = 0) -> bytes:
-    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm, input [N,3,8,8], outputs logits + features."""
-    rng = np.random.default_rng(seed)
-    inits = [
-        numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "conv_w"),
-        numpy_helper.from_array(rng.normal(0, 0.1, (4,)).astype(np.float32), "conv_b"),
-        numpy_helper.from_array(rng.normal(0, 0.5, (3, 4)).astype(np.float32), "fc_w"),
-        numpy_helper.from_array(rng.normal(0, 0.1, (3,)).astype(np.float32), "fc_b"),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["input", "conv_w", "conv_b"], ["conv"], pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["conv"], ["relu"]),
-        helper.make_node("GlobalAveragePool", ["relu"], ["pool"]),
-        helper.make_node("Flatten", ["pool"], ["features"], axis=1),
-        helper.make_node("Gemm", ["features", "fc_w", "fc_b"], ["logits"], transB=1),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "tiny_cnn",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 8, 8])],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3]),
-            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", 4]),
-        ],
-        inits,
-    )
-    return helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8
-    ).SerializeToString()
 
 
 def ort_reference(model: bytes | onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:

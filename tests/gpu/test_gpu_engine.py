@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from engine_models import conv_relu_net
+from onnx import TensorProto, helper
 
 from service.runtime.autotune import select_variant
 from service.runtime.engine import Engine
@@ -29,35 +30,8 @@ REL_L2_FP32 = 1e-2  # the CUDA provider may use TF32 in convolutions
 
 
 def tiny_cnn(seed: int = 0, *, fused: bool = False) -> onnx.ModelProto:
-    """Conv(+Relu or FusedConv) -> Conv -> GlobalAveragePool -> Flatten: [N, 3, 16, 16] -> [N, 10]."""
-    rng = np.random.default_rng(seed)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((16, 3, 3, 3)) * 0.3).astype(np.float32), "w1"),
-        numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b1"),
-        numpy_helper.from_array((rng.standard_normal((10, 16, 3, 3)) * 0.2).astype(np.float32), "w2"),
-    ]
-    if fused:
-        first = [helper.make_node("FusedConv", ["x", "w1", "b1"], ["r1"], domain="com.microsoft",
-                                  activation="Relu", pads=[1, 1, 1, 1])]
-    else:
-        first = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
-                 helper.make_node("Relu", ["c1"], ["r1"])]
-    nodes = [
-        *first,
-        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
-        helper.make_node("GlobalAveragePool", ["c2"], ["g"]),
-        helper.make_node("Flatten", ["g"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "tiny_cnn",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
-        inits,
-    )
-    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    return model
+    """The engine tests' conv net, wider and larger for the GPU: [N, 3, 16, 16] -> [N, 10]."""
+    return conv_relu_net(fused=fused, seed=seed, channels=16, size=16, w2_scale=0.2)
 
 
 def zoo_model(name: str) -> onnx.ModelProto:

@@ -18,8 +18,11 @@ def _model(graph: onnx.GraphProto, opsets: list | None = None) -> onnx.ModelProt
     return helper.make_model(graph, opset_imports=opsets or OPSET, ir_version=8)
 
 
-def tiny_cnn(seed: int = 0, channels: int = 4, classes: int = 3) -> bytes:
-    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm; input [N,3,8,8]; outputs logits, features."""
+def tiny_cnn(seed: int = 0, channels: int = 4, classes: int = 3, two_outputs: bool = True) -> bytes:
+    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm; input [N,3,8,8]; outputs logits (+ features).
+
+    The one builder of the served test model (security, reliability, API and e2e tests); checked with
+    onnx's full checker so that a broken builder fails here, not as a confusing server error."""
     rng = np.random.default_rng(seed)
     inits = [
         numpy_helper.from_array(rng.normal(0, 0.5, (channels, 3, 3, 3)).astype(np.float32), "conv_w"),
@@ -41,10 +44,12 @@ def tiny_cnn(seed: int = 0, channels: int = 4, classes: int = 3) -> bytes:
         [
             helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes]),
             helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", channels]),
-        ],
+        ][: 2 if two_outputs else 1],
         inits,
     )
-    return _model(graph).SerializeToString()
+    model = _model(graph)
+    onnx.checker.check_model(model, full_check=True)
+    return model.SerializeToString()
 
 
 def slow_cnn(seed: int = 0, width: int = 48, size: int = 32, layers: int = 3) -> bytes:

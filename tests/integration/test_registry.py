@@ -10,6 +10,7 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import builders
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -82,22 +83,9 @@ def conv_relu_model(seed: int = 0) -> onnx.ModelProto:
 
 
 def memory_bomb_model() -> onnx.ModelProto:
-    """~200 bytes: ConstantOfShape of a 40 GB constant shape, reduced and added to the input."""
-    shape = numpy_helper.from_array(np.array([50_000, 50_000, 4], np.int64), "shape")
-    one = numpy_helper.from_array(np.array([1.0], np.float32))
-    nodes = [
-        helper.make_node("ConstantOfShape", ["shape"], ["big"], value=one),
-        helper.make_node("ReduceMax", ["big"], ["r"], axes=[0, 1], keepdims=0),
-        helper.make_node("Add", ["x", "r"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "bomb",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
-        [shape],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    """~200 bytes: ConstantOfShape of a 40 GB constant shape, reduced and added to the input (shared with
+    the security tests)."""
+    return onnx.load_from_string(builders.constant_of_shape_bomb())
 
 
 def reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

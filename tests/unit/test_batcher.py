@@ -82,6 +82,21 @@ def check_own(result, inputs) -> None:
     np.testing.assert_array_equal(result.outputs["rowsum"], inputs["x"].sum(axis=1))
 
 
+def submit_all(inputs: list[dict[str, np.ndarray]], **kw) -> tuple[FakeEngine, list]:
+    """Submit every request at once to a fresh batcher (``make(**kw)``) over a FakeEngine, then stop it;
+    returns the engine (for its recorded calls) and the results in request order."""
+
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, **kw)
+        batcher.start()
+        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        await batcher.stop()
+        return engine, results
+
+    return asyncio.run(main())
+
+
 def test_concurrent_requests_get_exactly_their_rows():
     async def main():
         engine = FakeEngine(delay_s=0.002)
@@ -191,32 +206,16 @@ def test_queue_full_is_immediate_and_counts_samples():
 
 
 def test_request_larger_than_max_batch_runs_alone():
-    async def main():
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=4, max_delay_s=0.05)
-        batcher.start()
-        big, small = rows(1, 10), rows(2, 1)
-        results = await asyncio.gather(batcher.submit(big), batcher.submit(small))
-        await batcher.stop()
-        return engine, (big, small), results
-
-    engine, inputs, results = asyncio.run(main())
+    inputs = [rows(1, 10), rows(2, 1)]
+    engine, results = submit_all(inputs, max_batch_size=4, max_delay_s=0.05)
     for x, result in zip(inputs, results, strict=True):
         check_own(result, x)
     assert sorted(len(c) for c in engine.calls) == [1, 10]
 
 
 def test_batching_disabled_runs_one_request_per_call():
-    async def main():
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=1, max_delay_s=0.01)
-        batcher.start()
-        inputs = [rows(i, 1 + i % 3) for i in range(6)]
-        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
-        await batcher.stop()
-        return engine, inputs, results
-
-    engine, inputs, results = asyncio.run(main())
+    inputs = [rows(i, 1 + i % 3) for i in range(6)]
+    engine, results = submit_all(inputs, max_batch_size=1, max_delay_s=0.01)
     for x, result in zip(inputs, results, strict=True):
         check_own(result, x)
     assert sorted(len(c) for c in engine.calls) == sorted(len(x["x"]) for x in inputs)
@@ -224,16 +223,8 @@ def test_batching_disabled_runs_one_request_per_call():
 
 
 def test_different_sample_shapes_are_not_concatenated():
-    async def main():
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=16, max_delay_s=0.05)
-        batcher.start()
-        inputs = [rows(i, 1, width=3 + i % 2) for i in range(8)]
-        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
-        await batcher.stop()
-        return engine, inputs, results
-
-    engine, inputs, results = asyncio.run(main())
+    inputs = [rows(i, 1, width=3 + i % 2) for i in range(8)]
+    engine, results = submit_all(inputs, max_batch_size=16, max_delay_s=0.05)
     for x, result in zip(inputs, results, strict=True):
         check_own(result, x)
     assert sorted(len(c) for c in engine.calls) == [4, 4]

@@ -1,69 +1,31 @@
 """In-process API tests: the real app, the real registry (tiny ONNX models on CPU), httpx + ASGI.
 
-``ASGITransport`` does not run the lifespan, so the ``served`` fixture enters the app's lifespan itself
-and waits for the registry to start, exactly as uvicorn would.
+``ASGITransport`` does not run the lifespan, so ``serve_app`` (tests/helpers/inprocess.py) enters the app's
+lifespan itself and waits for the registry to start, exactly as uvicorn would. The model builder and the
+in-process client are shared with the security and reliability tests (tests/helpers).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import builders
 import httpx
+import inprocess
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from builders import tiny_cnn
+from inprocess import AUTH, OCTET, TOKEN, serve_app
 
-from service.api.app import create_app
 from service.settings import ServiceSettings
 
-TOKEN = "test-admin-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-OCTET = "application/octet-stream"
-
-
-def tiny_cnn(seed: int = 0, channels: int = 4, classes: int = 3, two_outputs: bool = True) -> bytes:
-    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm; input [N,3,8,8]; outputs logits (+ features)."""
-    rng = np.random.default_rng(seed)
-    inits = [
-        numpy_helper.from_array(rng.normal(0, 0.5, (channels, 3, 3, 3)).astype(np.float32), "conv_w"),
-        numpy_helper.from_array(rng.normal(0, 0.1, (channels,)).astype(np.float32), "conv_b"),
-        numpy_helper.from_array(rng.normal(0, 0.5, (classes, channels)).astype(np.float32), "fc_w"),
-        numpy_helper.from_array(rng.normal(0, 0.1, (classes,)).astype(np.float32), "fc_b"),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["input", "conv_w", "conv_b"], ["conv"], pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["conv"], ["relu"]),
-        helper.make_node("GlobalAveragePool", ["relu"], ["pool"]),
-        helper.make_node("Flatten", ["pool"], ["features"], axis=1),
-        helper.make_node("Gemm", ["features", "fc_w", "fc_b"], ["logits"], transB=1),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "tiny_cnn",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 8, 8])],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes]),
-            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", channels]),
-        ][: 2 if two_outputs else 1],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model, full_check=True)
-    return model.SerializeToString()
+__all__ = ["AUTH", "OCTET", "TOKEN", "make_settings", "reference", "sample", "serve_app", "tiny_cnn", "upload"]
 
 
 def reference(model_bytes: bytes, x: np.ndarray) -> dict[str, np.ndarray]:
     """Independent expected outputs: ONNX Runtime on the ORIGINAL graph, optimizations off."""
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, {"input": x}), strict=True))
+    return builders.reference(model_bytes, {"input": x})
 
 
 def sample(batch: int = 1, seed: int = 1) -> np.ndarray:
@@ -90,27 +52,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@contextlib.asynccontextmanager
-async def serve_app(settings: ServiceSettings, registry: object = None) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the app's lifespan (startup + shutdown) around an in-process client (``client.app``)."""
-    app = create_app(settings, registry)  # type: ignore[arg-type]
-    async with app.router.lifespan_context(app):
-        await app.state.lifecycle.wait_started()
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
-
-
 async def upload(
     client: httpx.AsyncClient, name: str, model: bytes, config: dict | None = None, expect: int = 201
 ) -> dict:
-    params = {"config": json.dumps(config)} if config is not None else None
-    r = await client.post(
-        f"/v1/models/{name}", content=model, params=params, headers={**AUTH, "content-type": OCTET}
-    )
-    assert r.status_code == expect, r.text
-    return r.json()
+    """Upload ``model`` as ``name`` (asserting the status); returns the JSON answer."""
+    return (await inprocess.upload(client, name, model, config, expect)).json()
 
 
 @pytest.fixture(scope="session")

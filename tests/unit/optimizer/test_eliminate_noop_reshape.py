@@ -18,6 +18,25 @@ def _after_gemm(kit, tail_nodes, tail_inits=(), out_shape=("N", 8)):
     return kit.model(nodes, [kit.inp("x", ["N", 4])], [kit.out("y", list(out_shape))], inits)
 
 
+def _view(kit, src, dst, dim=0):
+    """``src.view(src.size(dim), -1)`` as the TorchScript exporter writes it: Shape -> Gather(dim) ->
+    Unsqueeze -> Concat(-1) -> Reshape into ``dst``; the shape arithmetic's tensor ``n1`` is [size(dim)]."""
+    index = "zero" if dim == 0 else "one"
+    nodes = [
+        kit.node("Shape", [src], ["shape"]),
+        kit.node("Gather", ["shape", index], ["n"], axis=0),
+        kit.node("Unsqueeze", ["n", "axes"], ["n1"]),
+        kit.node("Concat", ["n1", "minus_one"], ["spec"], axis=0),
+        kit.node("Reshape", [src, "spec"], [dst]),
+    ]
+    inits = [
+        kit.init(index, np.array(dim, np.int64)),
+        kit.init("axes", _shape(0)),
+        kit.init("minus_one", _shape(-1)),
+    ]
+    return nodes, inits
+
+
 def test_flatten_of_a_matrix_is_removed(kit):
     model = _after_gemm(kit, [kit.node("Flatten", ["h"], ["f"], axis=1), kit.node("Relu", ["f"], ["y"])])
     count, optimized = kit.apply(model, eliminate_noop_reshape)
@@ -54,20 +73,8 @@ def test_reshape_as_graph_output_keeps_the_output_name(kit):
 
 def test_reshape_computed_from_the_input_shape_is_removed(kit):
     # x.view(x.size(0), -1) as the TorchScript exporter writes it, on an input that is already 2-D.
-    tail = [
-        kit.node("Shape", ["h"], ["shape"]),
-        kit.node("Gather", ["shape", "zero"], ["n"], axis=0),
-        kit.node("Unsqueeze", ["n", "axes"], ["n1"]),
-        kit.node("Concat", ["n1", "minus_one"], ["spec"], axis=0),
-        kit.node("Reshape", ["h", "spec"], ["f"]),
-        kit.node("Relu", ["f"], ["y"]),
-    ]
-    inits = [
-        kit.init("zero", np.array(0, np.int64)),
-        kit.init("axes", _shape(0)),
-        kit.init("minus_one", _shape(-1)),
-    ]
-    model = _after_gemm(kit, tail, inits)
+    tail, inits = _view(kit, "h", "f")
+    model = _after_gemm(kit, [*tail, kit.node("Relu", ["f"], ["y"])], inits)
     count, optimized = kit.apply(model, eliminate_noop_reshape)
     assert count == 1
     assert "Reshape" not in kit.ops(optimized)
@@ -137,18 +144,7 @@ def test_reshape_chain_whose_middle_has_another_consumer_stays(kit):
 
 def test_view_batch_minus_one_of_a_4d_tensor_becomes_flatten(kit):
     # x.view(x.size(0), -1) on [N, 8, 2, 2] really flattens: one Flatten instead of five nodes.
-    nodes = [
-        kit.node("Shape", ["x"], ["shape"]),
-        kit.node("Gather", ["shape", "zero"], ["n"], axis=0),
-        kit.node("Unsqueeze", ["n", "axes"], ["n1"]),
-        kit.node("Concat", ["n1", "minus_one"], ["spec"], axis=0),
-        kit.node("Reshape", ["x", "spec"], ["y"]),
-    ]
-    inits = [
-        kit.init("zero", np.array(0, np.int64)),
-        kit.init("axes", _shape(0)),
-        kit.init("minus_one", _shape(-1)),
-    ]
+    nodes, inits = _view(kit, "x", "y")
     model = kit.model(nodes, [kit.inp("x", ["N", 8, 2, 2])], [kit.out("y", ["N", 32])], inits)
     count, optimized = kit.apply(model, eliminate_noop_reshape)
     assert count == 1
@@ -159,37 +155,15 @@ def test_view_batch_minus_one_of_a_4d_tensor_becomes_flatten(kit):
 
 def test_view_with_another_dim_first_stays(kit):
     # x.view(x.size(1), -1): not a flatten from axis 1.
-    nodes = [
-        kit.node("Shape", ["x"], ["shape"]),
-        kit.node("Gather", ["shape", "one"], ["c"], axis=0),
-        kit.node("Unsqueeze", ["c", "axes"], ["c1"]),
-        kit.node("Concat", ["c1", "minus_one"], ["spec"], axis=0),
-        kit.node("Reshape", ["x", "spec"], ["y"]),
-    ]
-    inits = [
-        kit.init("one", np.array(1, np.int64)),
-        kit.init("axes", _shape(0)),
-        kit.init("minus_one", _shape(-1)),
-    ]
+    nodes, inits = _view(kit, "x", "y", dim=1)
     model = kit.model(nodes, [kit.inp("x", ["N", 8, 2, 2])], [kit.out("y", [8, "M"])], inits)
     count, _ = kit.apply(model, eliminate_noop_reshape)
     assert count == 0
 
 
 def test_view_whose_shape_arithmetic_is_shared_keeps_it(kit):
-    nodes = [
-        kit.node("Shape", ["x"], ["shape"]),
-        kit.node("Gather", ["shape", "zero"], ["n"], axis=0),
-        kit.node("Unsqueeze", ["n", "axes"], ["n1"]),
-        kit.node("Concat", ["n1", "minus_one"], ["spec"], axis=0),
-        kit.node("Reshape", ["x", "spec"], ["y"]),
-        kit.node("Cast", ["n1"], ["z"], to=1),
-    ]
-    inits = [
-        kit.init("zero", np.array(0, np.int64)),
-        kit.init("axes", _shape(0)),
-        kit.init("minus_one", _shape(-1)),
-    ]
+    nodes, inits = _view(kit, "x", "y")
+    nodes.append(kit.node("Cast", ["n1"], ["z"], to=1))
     outputs = [kit.out("y", ["N", 32]), kit.out("z", [1])]
     model = kit.model(nodes, [kit.inp("x", ["N", 8, 2, 2])], outputs, inits)
     count, optimized = kit.apply(model, eliminate_noop_reshape)

@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from engine_models import conv_relu_net
+from onnx import TensorProto
 
 from service.runtime import autotune
 from service.runtime.autotune import Config, select_variant
@@ -20,39 +21,6 @@ from service.runtime.providers import cuda_status
 from service.settings import EngineSettings
 
 CPU = EngineSettings(device="cpu", buckets=(1, 2, 4))
-
-
-def conv_relu_net(*, fused: bool, seed: int = 0, scale: float = 1.0) -> onnx.ModelProto:
-    """Conv+Relu (or FusedConv Relu) -> Conv -> GlobalAveragePool -> Flatten: [N, 3, 8, 8] -> [N, 10]."""
-    rng = np.random.default_rng(seed)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3 * scale).astype(np.float32), "w1"),
-        numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b1"),
-        numpy_helper.from_array((rng.standard_normal((10, 8, 3, 3)) * 0.3).astype(np.float32), "w2"),
-    ]
-    if fused:
-        first = [helper.make_node("FusedConv", ["x", "w1", "b1"], ["r1"], domain="com.microsoft",
-                                  activation="Relu", pads=[1, 1, 1, 1])]
-    else:
-        first = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
-                 helper.make_node("Relu", ["c1"], ["r1"])]
-    nodes = [
-        *first,
-        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
-        helper.make_node("GlobalAveragePool", ["c2"], ["g"]),
-        helper.make_node("Flatten", ["g"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "conv_relu_net",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
-        inits,
-    )
-    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    return model
 
 
 @pytest.fixture(scope="module")

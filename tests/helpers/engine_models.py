@@ -1,0 +1,61 @@
+"""The small conv net of the engine tests, in its plain (Conv + Relu) and fused (FusedConv) forms.
+
+Shared by tests/unit/runtime (CPU provider) and tests/gpu (CUDA provider), which need the same two
+candidate graphs for the variant tuner. Pure onnx + numpy: importing it needs no GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _first_layer(fused: bool) -> list[onnx.NodeProto]:
+    """Conv + Relu, or the same as one com.microsoft FusedConv (what the optimizer's fusion writes)."""
+    if fused:
+        return [
+            helper.make_node(
+                "FusedConv", ["x", "w1", "b1"], ["r1"], domain="com.microsoft", activation="Relu", pads=[1, 1, 1, 1]
+            )
+        ]
+    return [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+    ]
+
+
+def conv_relu_net(
+    *,
+    fused: bool = False,
+    seed: int = 0,
+    channels: int = 8,
+    size: int = 8,
+    scale: float = 1.0,
+    w2_scale: float = 0.3,
+) -> onnx.ModelProto:
+    """Conv+Relu (or FusedConv Relu) -> Conv -> GlobalAveragePool -> Flatten: [N, 3, size, size] -> [N, 10].
+
+    ``channels`` is the hidden width; ``scale`` multiplies the first weights (to move fp16 error),
+    ``w2_scale`` sets the second conv's weight spread."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((channels, 3, 3, 3)) * 0.3 * scale).astype(np.float32), "w1"),
+        numpy_helper.from_array((rng.standard_normal(channels) * 0.1).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((10, channels, 3, 3)) * w2_scale).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        *_first_layer(fused),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_relu_net",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
