@@ -17,6 +17,7 @@ from service.settings import ServiceSettings
 
 from . import health, kserve, metrics_route, models, predict
 from .error_handlers import install_error_handlers
+from .fast_path import InferFastPath
 from .lifecycle import Lifecycle, lifespan
 from .schemas import BODY_MODELS
 
@@ -49,6 +50,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry)
     install_error_handlers(app)
+    app.add_middleware(InferFastPath)
     for module in (health, predict, kserve, models, metrics_route):
         app.include_router(module.router)
     _document_bodies(app)

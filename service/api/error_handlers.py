@@ -72,9 +72,25 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal error")
 
 
+async def exception_response(request: Request, exc: Exception) -> Response:
+    """The response the installed handlers give for ``exc`` (for code that runs outside FastAPI's routing)."""
+    for kind, handler in _HANDLERS:
+        if isinstance(exc, kind):
+            if handler is _unexpected:
+                log.error("unhandled exception", exc_info=exc)
+            return await handler(request, exc)
+    raise AssertionError("unreachable: Exception is the last entry")
+
+
+_HANDLERS = (
+    (ServiceError, _service_error),
+    (RequestValidationError, _request_validation),
+    (StarletteHTTPException, _http_exception),
+    (ClientDisconnect, _client_disconnect),
+    (Exception, _unexpected),
+)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ServiceError, _service_error)
-    app.add_exception_handler(RequestValidationError, _request_validation)
-    app.add_exception_handler(StarletteHTTPException, _http_exception)
-    app.add_exception_handler(ClientDisconnect, _client_disconnect)
-    app.add_exception_handler(Exception, _unexpected)
+    for kind, handler in _HANDLERS:
+        app.add_exception_handler(kind, handler)

@@ -163,7 +163,8 @@ _INFER_OPENAPI["parameters"] = [
 _INFER_ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 415, 503, 504)}
 
 
-async def _infer(request: Request, name: str, version: str | None) -> Response:
+async def handle_infer(request: Request, name: str, version: str | None) -> Response:
+    """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
     async with Observed(request, "v2_infer") as obs:
         body = await read_body(request, settings_of(request).max_request_mb * MIB)
         mv = registry_of(request).get(check_name(name), parse_version(version))
@@ -192,7 +193,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     openapi_extra=_INFER_OPENAPI,
 )
 async def model_infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
+    return await handle_infer(request, name, None)
 
 
 @router.post(
@@ -203,4 +204,4 @@ async def model_infer(request: Request, name: str) -> Response:
     openapi_extra=_INFER_OPENAPI,
 )
 async def model_version_infer(request: Request, name: str, version: str) -> Response:
-    return await _infer(request, name, version)
+    return await handle_infer(request, name, version)
