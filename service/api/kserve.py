@@ -170,8 +170,7 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
         mv = registry_of(request).get(check_name(name), parse_version(version))
         obs.model = mv.name
         header_length = request.headers.get(HEADER_LENGTH)
-        check = getattr(mv, "check_shape", None)
-        req = decode_v2_request(body, header_length, mv.inputs, mv.outputs, check)
+        req = decode_v2_request(body, header_length, mv.inputs, mv.outputs, mv.check_shape)
         obs.result = await infer(request, mv, req.inputs, req.outputs)
         produced = obs.result.outputs
         names = list(produced) if req.outputs is None else req.outputs

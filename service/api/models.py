@@ -88,28 +88,13 @@ def _public(value: Any) -> Any:
     return value
 
 
-def _state(mv: ModelVersion) -> str:
-    return getattr(mv.state, "value", str(mv.state))
-
-
 def describe_version(mv: ModelVersion) -> dict[str, Any]:
     """Signature, state, config, sha256, time, engine choice and optimization report of a version."""
-    describe = getattr(mv, "describe", None)
-    if callable(describe):
-        return _public(describe())
-    return {
-        "name": mv.name,
-        "version": mv.version,
-        "state": _state(mv),
-        "error": mv.error,
-        "max_batch_size": mv.max_batch_size,
-        "inputs": [s.to_dict() for s in mv.inputs],
-        "outputs": [s.to_dict() for s in mv.outputs],
-    }
+    return _public(mv.describe())
 
 
 def _summary(mv: ModelVersion) -> dict[str, Any]:
-    return {"version": mv.version, "state": _state(mv), "error": mv.error}
+    return {"version": mv.version, "state": mv.state.value, "error": mv.error}
 
 
 # ------------------------------------------------------------------ config
