@@ -25,11 +25,15 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from service.optimizer.io import load_model_file, save_model_file
 
     try:
-        model = load_model_file(Path(args.input))
+        model = load_model_file(Path(args.input), external_data=True)
         optimized, report = optimize(model, OptimizerConfig(fused_conv=args.fused_conv, verify=not args.no_verify))
-        save_model_file(optimized, Path(args.output))
     except ServiceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    try:
+        save_model_file(optimized, Path(args.output))
+    except (OSError, ValueError) as exc:  # output not writable; ValueError: protobuf's 2 GiB limit
+        print(f"error: cannot write {args.output}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     if args.json:
         sys.stdout.write(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
