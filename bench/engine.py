@@ -663,16 +663,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     merged["elapsed_s"] = round(args.deadline_s - deadline.left(), 1)
     merged["method"] = {**(merged.get("method") or {}), "isolation": "one process per model and precision; "
                         "fp16 rows timed in their own process right after the fp32 process of the model"}
-    path = write_result("engine", merged, head=head, results_dir=args.out_dir or RESULTS_DIR)
-    print_table(merged["rows"], ["model", "batch", "engine", "ms", "x_vs_eager", "x_vs_cudagraph", "nodes",
-                                 "variant"], title=f"all rows ({head['device']})")
-    print_table(merged["targets"], ["target", "value", "goal", "met"], title="targets")
-    for item in merged["skipped"]:
-        print(f"skipped: {item}")
-    for name, error in merged["errors"].items():
-        print(f"error: {name}: {error}")
-    print(f"wrote {path}")
-    return 1 if merged["errors"] else 0
+    return _write_and_print(merged, head, args)
 
 
 def _sync(cuda: bool) -> Callable[[], None]:
@@ -764,6 +755,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_json:
         write_result("engine", payload, head=head, path=args.child_json)
         return 1 if payload["errors"] else 0
+    return _write_and_print(payload, head, args)
+
+
+def _write_and_print(payload: dict[str, Any], head: dict[str, Any], args: argparse.Namespace) -> int:
+    """Write the result JSON, print the tables, skips and errors; exit status 1 if anything failed."""
     path = write_result("engine", payload, head=head, results_dir=args.out_dir or RESULTS_DIR)
     print_table(payload["rows"], ["model", "batch", "engine", "ms", "x_vs_eager", "x_vs_cudagraph", "nodes",
                                   "variant"], title=f"all rows ({head['device']})")

@@ -309,15 +309,9 @@ class EngineTable:
 
 
 def _time_run(engine: Any, feeds: dict[str, np.ndarray], runs: int, max_s: float) -> list[float]:
-    for _ in range(3):
-        engine.run(feeds)
-    times: list[float] = []
-    deadline = time.perf_counter() + max_s
-    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        engine.run(feeds)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    from service.runtime.engine import time_calls
+
+    return time_calls(lambda: engine.run(feeds), runs=runs, max_s=max_s)
 
 
 def served_model(model_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -547,15 +547,7 @@ class Engine:
             bucket = self._bound[self.bucket_for(batch)]
             feeds = random_feeds(self.inputs, bucket.size, np.random.default_rng(1))
             self._run_bucket(bucket, feeds, bucket.size)
-        for _ in range(warmup):
-            self.run_bound(batch)
-        times: list[float] = []
-        deadline = time.perf_counter() + max_s
-        while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
-            start = time.perf_counter()
-            self.run_bound(batch)
-            times.append((time.perf_counter() - start) * 1e3)
-        return float(np.median(times))
+        return float(np.median(time_calls(lambda: self.run_bound(batch), runs=runs, max_s=max_s, warmup=warmup)))
 
     # ---------------------------------------------------------------------------------- reporting
     def describe(self) -> dict[str, Any]:
@@ -616,6 +608,19 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def time_calls(fn: Callable[[], object], *, runs: int, max_s: float, warmup: int = 3) -> list[float]:
+    """Milliseconds of ``fn()`` after ``warmup`` calls: up to ``runs`` calls, at least 5, within ``max_s``."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + max_s
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 class _GraphUnusable(Exception):
     """A captured graph replay disagreed with the plain run."""
 
