@@ -98,6 +98,13 @@ class ServiceSettings(BaseSettings):
     demo_model: bool = Field(True, description="Install the zoo's mobilenet_v3_large in a fresh store.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
+    gil_switch_interval_ms: float = Field(
+        0.5,
+        gt=0.0,
+        le=100.0,
+        description="Python's thread switch interval in the server (sys.setswitchinterval). Engine threads "
+        "wait up to this long for the GIL while the event loop is busy; Python's default is 5 ms.",
+    )
     precision: Literal["fp32", "fp16", "auto"] = Field(
         "fp32", description="Default precision for new models (auto: the CUDA tuner may pick fp16)."
     )

@@ -66,6 +66,7 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
 
 def serve(settings: ServiceSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     app = create_app(settings)
     server = _Server(uvicorn_config(settings, app), app.state.lifecycle)
     try:

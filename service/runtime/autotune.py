@@ -85,78 +85,84 @@ def _score(a: Mapping[str, float], b: Mapping[str, float]) -> float:
     return math.exp(sum(math.log(a[k] / b[k]) for k in common) / len(common))
 
 
-class _Tuner:
-    """Loads, checks and times configurations within the budget; keeps only the best engine open."""
+@dataclasses.dataclass
+class _Results:
+    """What the tuner learned: timings of the configurations that ran, why the others did not."""
 
-    def __init__(self, candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, budget_s: float):
-        self.candidates = candidates
-        self.settings = settings
-        self.deadline = time.monotonic() + budget_s
-        self.buckets = tuple(sorted({1, max(settings.buckets)}))
-        self.tune_settings = settings.model_copy(update={"buckets": self.buckets})
-        self.timings: dict[str, dict[str, float]] = {}
-        self.skipped: dict[str, str] = {}
-        self.fp16_checks: dict[str, dict[str, Any]] = {}
-        self.fp16_models: dict[str, onnx.ModelProto] = {}
-        self.best: tuple[Config, Engine] | None = None
-        self.per_config_s = 0.0
+    timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    fp16_checks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
-    def model(self, config: Config) -> onnx.ModelProto:
-        source = self.candidates[config.variant]
-        if config.precision == "fp32":
-            return source
-        if config.variant not in self.fp16_models:
-            self.fp16_models[config.variant] = to_fp16(source)
-        return self.fp16_models[config.variant]
+    def best(self, configs: list[Config]) -> Config | None:
+        """The fastest timed configuration (first of equals, i.e. the likeliest winner)."""
+        best: Config | None = None
+        for config in configs:
+            timing = self.timings.get(config.key)
+            if timing is not None and (best is None or _score(timing, self.timings[best.key]) < 1.0):
+                best = config
+        return best
 
-    def run(self, configs: list[Config]) -> None:
-        for index, config in enumerate(configs):
-            left = self.deadline - time.monotonic()
-            if index and left < self.per_config_s:
-                self.skipped[config.key] = "time budget spent"
-                continue
-            started = time.monotonic()
-            try:
-                self._measure(config, time_big=left > 2.5 * max(self.per_config_s, 1.0))
-            except Exception as exc:  # one configuration failing must not stop the others
-                message = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
-                self.skipped[config.key] = message[:300]
-                logger.warning("autotune: %s failed: %s", config.key, message)
-            self.per_config_s = max(self.per_config_s, time.monotonic() - started)
 
-    def _fp16_ok(self, config: Config, engine: Engine) -> bool:
-        if config.variant in self.fp16_checks:
-            return bool(self.fp16_checks[config.variant]["ok"])
-        cpu = self.settings.model_copy(update={"device": "cpu", "buckets": (2,)})
-        reference = self.candidates[config.variant]
-        with Engine.load(reference, cpu, variant=f"{config.variant}/fp32-reference") as ref:
-            result = check_fp16(engine, ref, batch=2, trials=2)
-        self.fp16_checks[config.variant] = result.to_dict()
-        return result.ok
-
-    def _measure(self, config: Config, *, time_big: bool) -> None:
-        engine = Engine.load(self.model(config), self.tune_settings, prefer_nhwc=config.prefer_nhwc,
-                             variant=config.key)
+def _time_configs(
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, configs: list[Config], budget_s: float
+) -> _Results:
+    """Time each configuration in a fresh child process, within the budget (the first always runs)."""
+    deadline = time.monotonic() + budget_s
+    tune_settings = settings.model_copy(update={"buckets": _tuning_buckets(settings)}).model_dump()
+    payload = {name: model.SerializeToString() for name, model in candidates.items()}
+    results, per_config_s = _Results(), 0.0
+    for index, config in enumerate(configs):
+        left = deadline - time.monotonic()
+        if index and left < per_config_s:
+            results.skipped[config.key] = "time budget spent"
+            continue
+        started = time.monotonic()
+        time_big = left > 2.5 * max(per_config_s, 1.0)
+        args = (payload[config.variant], tune_settings, config.to_dict(), time_big)
         try:
-            if config.precision == "fp16" and not self._fp16_ok(config, engine):
-                self.skipped[config.key] = f"fp16 check failed: {self.fp16_checks[config.variant]['reason']}"
-                engine.close()
-                return
-            timing = {"1": engine.time_batch(1, runs=_B1_RUNS, max_s=_B1_MAX_S)}
-            big = self.buckets[-1]
-            if time_big and big > 1:
-                timing[str(big)] = engine.time_batch(big, runs=_BIG_RUNS, max_s=_BIG_MAX_S)
-            timing = {k: round(v, 5) for k, v in timing.items()}  # compare exactly what is recorded
-            self.timings[config.key] = timing
-        except BaseException:
-            engine.close()
-            raise
-        if self.best is None or _score(timing, self.timings[self.best[0].key]) < 1.0:
-            if self.best is not None:
-                self.best[1].close()
-            self.best = (config, engine)
+            outcome = run_in_child(_time_config_child, args, timeout_s=max(left, 0.0) + _CHILD_OVERHEAD_S)
+        except Exception as exc:  # a crash or overrun costs this configuration only
+            results.skipped[config.key] = _short_error(exc)
+            logger.warning("autotune: %s failed: %s", config.key, results.skipped[config.key])
         else:
-            engine.close()
+            if "fp16_check" in outcome:
+                results.fp16_checks[config.variant] = outcome["fp16_check"]
+            if "timing" in outcome:
+                results.timings[config.key] = outcome["timing"]
+            else:
+                results.skipped[config.key] = outcome["skipped"]
+        per_config_s = max(per_config_s, time.monotonic() - started)
+    return results
+
+
+def _tuning_buckets(settings: EngineSettings) -> tuple[int, ...]:
+    return tuple(sorted({1, max(settings.buckets)}))
+
+
+def _time_config_child(
+    model_data: bytes, settings_data: dict[str, Any], config_data: dict[str, Any], time_big: bool
+) -> dict[str, Any]:
+    """Child-process body: load one configuration (fp16: check it against fp32 first), time it, close it."""
+    config = Config(**config_data)
+    settings = EngineSettings(**settings_data)
+    source = onnx.load_from_string(model_data)
+    model = to_fp16(source) if config.precision == "fp16" else source
+    outcome: dict[str, Any] = {}
+    with Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, variant=config.key) as engine:
+        if config.precision == "fp16":
+            cpu = settings.model_copy(update={"device": "cpu", "buckets": (2,)})
+            with Engine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
+                check = check_fp16(engine, reference, batch=2, trials=2)
+            outcome["fp16_check"] = check.to_dict()
+            if not check.ok:
+                outcome["skipped"] = f"fp16 check failed: {check.reason}"
+                return outcome
+        timing = {"1": engine.time_batch(1, runs=_B1_RUNS, max_s=_B1_MAX_S)}
+        big = max(settings.buckets)
+        if time_big and big > 1:
+            timing[str(big)] = engine.time_batch(big, runs=_BIG_RUNS, max_s=_BIG_MAX_S)
+    outcome["timing"] = {k: round(v, 5) for k, v in timing.items()}  # compare exactly what is recorded
+    return outcome
 
 
 def _record(config: Config, *, device: str, reason: str, **extra: Any) -> dict[str, Any]:
@@ -242,60 +248,34 @@ def _tune(
     device: str,
     budget_s: float,
 ) -> tuple[Engine, dict[str, Any]]:
-    """Time the configurations in a child process, then load only the winner in this one.
+    """Time every configuration in its own child process, then load only the winner in this one.
 
-    Why a child: on an H200 with ORT 1.31.1, creating and destroying several CUDA-graph sessions in one
+    Why children: on an H200 with ORT 1.31.1, creating and destroying several CUDA-graph sessions in one
     process was followed by "illegal memory access" / "illegal instruction" at the next graph replay
-    (bench/results/engine-2026-11-29.log), and such an error poisons the whole CUDA context, i.e. every
-    model the server holds. The serving process therefore never creates a session it will not serve; a
-    tuner that crashes or overruns costs only its own process, and the first fp32 configuration is served.
+    (bench/results/engine-2026-11-29-h200-run2.log), and such an error poisons the whole CUDA context,
+    i.e. every model the server holds. One fresh process per configuration means a configuration that
+    crashes costs only its own timing; the serving process never creates a session it will not serve.
+    If nothing could be timed, the first configuration is served in fp32.
     """
     started = time.monotonic()
-    payload = {name: model.SerializeToString() for name, model in candidates.items()}
-    args = (payload, settings.model_dump(), [c.to_dict() for c in configs], device, budget_s)
-    try:
-        record = run_in_child(_time_configs_child, args, timeout_s=budget_s + _CHILD_OVERHEAD_S)
-        config = _cached_config(record, device, configs)
-        if config is None:
-            raise RuntimeError("the tuner chose no configuration")
-    except Exception as exc:
+    results = _time_configs(candidates, settings, configs, budget_s)
+    config = results.best(configs)
+    extra = {"timings_ms": results.timings, "skipped": results.skipped, "fp16_checks": results.fp16_checks,
+             "tuned_buckets": list(_tuning_buckets(settings)), "budget_s": budget_s}
+    if config is not None:
+        record = _record(config, device=device, reason=f"fastest of {len(results.timings)} timed "
+                         "configuration(s), each in its own process", **extra)
+    else:
         # fp32 even when only fp16 was asked for: a failing fp16 graph must not reach the serving process
         config = dataclasses.replace(configs[0], precision="fp32")
-        record = _record(config, device=device, reason=f"tuner failed ({_short_error(exc)}); {config.key} served")
-        logger.warning("autotune: %s", record["reason"])
+        record = _record(config, device=device, reason=f"no configuration could be timed; {config.key} served",
+                         **extra)
+        logger.warning("autotune: %s (%s)", record["reason"], results.skipped)
     record["elapsed_s"] = round(time.monotonic() - started, 2)
     engine = _load(candidates, config, settings)
     logger.info("autotune: chose %s (%s) in %.1fs; timings %s", config.key, record["reason"],
                 record["elapsed_s"], record.get("timings_ms"))
     return engine, record
-
-
-def _time_configs_child(
-    payload: dict[str, bytes], settings_data: dict[str, Any], config_data: list[dict[str, Any]],
-    device: str, budget_s: float,
-) -> dict[str, Any]:
-    """Child-process body: time every configuration, close everything, return the JSON-able record."""
-    candidates = {name: onnx.load_from_string(data) for name, data in payload.items()}
-    settings = EngineSettings(**settings_data)
-    configs = [Config(**data) for data in config_data]
-    tuner = _Tuner(candidates, settings, budget_s)
-    try:
-        tuner.run(configs)
-    finally:
-        if tuner.best is not None:
-            tuner.best[1].close()
-    if tuner.best is None:
-        raise RuntimeError(f"no configuration could be timed: {tuner.skipped}")
-    return _record(
-        tuner.best[0],
-        device=device,
-        reason=f"fastest of {len(tuner.timings)} timed configuration(s)",
-        timings_ms=tuner.timings,
-        skipped=tuner.skipped,
-        fp16_checks=tuner.fp16_checks,
-        tuned_buckets=list(tuner.buckets),
-        budget_s=budget_s,
-    )
 
 
 def _short_error(exc: BaseException) -> str:
