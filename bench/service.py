@@ -414,7 +414,7 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
     rows = []
     with running(server, args.ready_timeout):
         for payload in payloads:
-            if server.name == "service" and payload.series == "binary":
+            if server.name.startswith("service") and payload.series == "binary":
                 times = single_request_latency(server.url, payload)
                 rows.append(
                     {
@@ -473,11 +473,36 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) -> dict[str, Any]:
-    """The issue's figures: single-request ratio, HTTP overhead, scaling, ratios to the baselines."""
+    """The issue's figures for "service" (and per variant under "variants"), ratios to the baselines."""
+    summary = _server_summary(rows, eng, concurrencies, "service")
+    summary["variants"] = {
+        name: _server_summary(rows, eng, concurrencies, name)
+        for name in sorted({r["server"] for r in rows})
+        if name.startswith("service_") and name != "service_nobatch"
+    }
+    summary["ratios"] = []
+    for c in concurrencies:
+        entry: dict[str, Any] = {"concurrency": c}
+        for series in ("binary", "json"):
+            ours = _find(rows, "service", series, c)
+            nobatch = _find(rows, "service_nobatch", series, c)
+            naive = _find(rows, "naive", "json", c)
+            entry[f"{series}_vs_nobatch"] = _ratio(ours and ours["throughput"], nobatch and nobatch["throughput"])
+            entry[f"{series}_vs_naive_json"] = _ratio(ours and ours["throughput"], naive and naive["throughput"])
+        for name in summary["variants"]:
+            variant = _find(rows, name, "binary", c)
+            base = _find(rows, "service", "binary", c)
+            entry[f"{name}_vs_service_binary"] = _ratio(variant and variant["throughput"], base and base["throughput"])
+        summary["ratios"].append(entry)
+    return summary
+
+
+def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int], server: str) -> dict[str, Any]:
+    """Single-request ratio, HTTP overhead, c32/c1 scaling and the best engine fraction of one server."""
     low, high = min(concurrencies), (32 if 32 in concurrencies else max(concurrencies))
-    single = _find(rows, "service", "binary", low)
-    alone = _find(rows, "service", "binary_sync", 1)
-    many = _find(rows, "service", "binary", high)
+    single = _find(rows, server, "binary", low)
+    alone = _find(rows, server, "binary_sync", 1)
+    many = _find(rows, server, "binary", high)
     engine_p50 = eng.run_ms[1]
     summary: dict[str, Any] = {
         "engine_run_p50_ms_b1": engine_p50,
@@ -489,20 +514,10 @@ def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) 
         "http_overhead_ms": (alone["p50_ms"] - engine_p50) if alone else None,
         f"throughput_c{high}_vs_c{low}": _ratio(many and many["throughput"], single and single["throughput"]),
         "best_engine_fraction": max(
-            (r["engine_fraction"] for r in rows if r["server"] == "service" and r["engine_fraction"]),
+            (r["engine_fraction"] for r in rows if r["server"] == server and r["engine_fraction"]),
             default=None,
         ),
-        "ratios": [],
     }
-    for c in concurrencies:
-        entry: dict[str, Any] = {"concurrency": c}
-        for series in ("binary", "json"):
-            ours = _find(rows, "service", series, c)
-            nobatch = _find(rows, "service_nobatch", series, c)
-            naive = _find(rows, "naive", "json", c)
-            entry[f"{series}_vs_nobatch"] = _ratio(ours and ours["throughput"], nobatch and nobatch["throughput"])
-            entry[f"{series}_vs_naive_json"] = _ratio(ours and ours["throughput"], naive and naive["throughput"])
-        summary["ratios"].append(entry)
     summary["targets"] = {
         "single_request_ratio<=1.5": _check(summary["single_request_ratio"], lambda v: v <= 1.5),
         f"throughput_c{high}_vs_c{low}>=3": _check(summary[f"throughput_c{high}_vs_c{low}"], lambda v: v >= 3),
@@ -522,7 +537,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, help="measured seconds per point (default 8, quick 3)")
     parser.add_argument("--warmup", type=float, help="unmeasured seconds before each point (default 2, quick 1)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
-    parser.add_argument("--servers", default="service,service_nobatch,naive", help="comma-separated subset")
+    parser.add_argument(
+        "--servers",
+        default="service,service_nobatch,naive",
+        help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
+        "service_gil5 (Python's default 5 ms GIL switch interval)",
+    )
+    parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/service-<date>-<dev>.json)")
@@ -598,6 +619,12 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         "service_nobatch": lambda: service_server(
             "service_nobatch", model_dir, device, logs, SERVICE_BATCHING__ENABLED="false"
         ),
+        "service_workers": lambda: service_server(
+            "service_workers", model_dir, device, logs, SERVICE_WORKERS=str(args.workers)
+        ),
+        "service_gil5": lambda: service_server(
+            "service_gil5", model_dir, device, logs, SERVICE_GIL_SWITCH_INTERVAL_MS="5"
+        ),
         "naive": lambda: naive_server(original, device, logs),
     }
     for name in args.servers:
@@ -659,15 +686,17 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
         "errors",
     ]
     common.print_table(rows, columns, title="servers (throughput in samples/s)", digits=2)
-    scalars = [{"figure": k, "value": v} for k, v in summary.items() if k not in ("ratios", "targets")]
-    scalars += [{"figure": f"target {k}", "value": v} for k, v in summary["targets"].items()]
-    common.print_table(scalars, ["figure", "value"], title="summary", digits=3)
+    for name, part in [("service", summary), *summary["variants"].items()]:
+        scalars = [{"figure": k, "value": v} for k, v in part.items() if k not in ("ratios", "targets", "variants")]
+        scalars += [{"figure": f"target {k}", "value": v} for k, v in part["targets"].items()]
+        common.print_table(scalars, ["figure", "value"], title=f"summary: {name}", digits=3)
     ratio_columns = [
         "concurrency",
         "binary_vs_nobatch",
         "binary_vs_naive_json",
         "json_vs_nobatch",
         "json_vs_naive_json",
+        *(f"{name}_vs_service_binary" for name in summary["variants"]),
     ]
     common.print_table(summary["ratios"], ratio_columns, title="throughput ratios (same run)", digits=2)
 

@@ -12,7 +12,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.api.server import serve
     from service.settings import ServiceSettings
 
-    given = {"host": args.host, "port": args.port, "model_dir": args.model_dir}
+    given = {"host": args.host, "port": args.port, "model_dir": args.model_dir, "workers": args.workers}
     overrides = {k: v for k, v in given.items() if v is not None}  # port 0 (pick a free one) is a value
     return serve(ServiceSettings(**overrides))
 
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1, or SERVICE_HOST)")
     serve.add_argument("--port", type=int, help="bind port (default 8000, or SERVICE_PORT)")
     serve.add_argument("--model-dir", help="model repository (default ./models, or SERVICE_MODEL_DIR)")
+    serve.add_argument("--workers", type=int, help="server processes sharing the port (default 1, or SERVICE_WORKERS)")
     serve.set_defaults(func=_cmd_serve)
 
     opt = sub.add_parser("optimize", help="optimize an ONNX model file")

@@ -5,6 +5,11 @@ in one process (tests, benchmarks) never clash over metric names. ``Metrics`` sa
 ``MetricsSink`` protocol (batch, queue depth and loaded-model reports) and adds the per-request series
 the API records.
 
+Several worker processes (``SERVICE_WORKERS`` > 1): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR``
+before the workers start; prometheus-client then keeps every value in per-process files there, and
+``render`` aggregates all live workers (counters and histograms summed, queue depth summed over the live
+workers, loaded models the maximum), so a scrape that reaches any worker sees the whole server.
+
 Label values are bounded: ``model`` is only ever the name of a model that exists (the API passes ""
 when a request named an unknown model), ``endpoint`` and ``outcome`` come from fixed sets (route names
 and ``ServiceError.code``), so a client cannot grow the series count.
@@ -13,6 +18,7 @@ and ``ServiceError.code``), so a client cannot grow the series count.
 from __future__ import annotations
 
 import contextlib
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,6 +27,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 # Seconds: from 100 us (an engine call of a tiny model) to 30 s (the default request timeout).
@@ -63,9 +70,11 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "service_queue_depth", "Samples waiting in a model version's batching queue.",
-            ["model", "version"], registry=r,
+            ["model", "version"], registry=r, multiprocess_mode="livesum",
         )
-        self.loaded_models = Gauge("service_loaded_models", "Model versions loaded and ready.", registry=r)
+        self.loaded_models = Gauge(
+            "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
+        )
 
     # -- MetricsSink (called by the registry / batcher, possibly from engine threads) --------------------
     def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None:
@@ -104,5 +113,9 @@ class Metrics:
             self.queue_depth.remove(model, str(version))
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
+        """The exposition text and its content type (every live worker's values with several workers)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

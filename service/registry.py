@@ -18,6 +18,7 @@ This module knows nothing about HTTP; it raises ``service.errors`` classes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import enum
@@ -52,6 +53,9 @@ from service.validation import MAX_FIXED_ELEMENTS, validate_model_name
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "mobilenet_v3_large"
+SETTLE_S = 600.0
+"""A version another worker published is loaded here once its loader recorded the engine choice, or after
+this long (its loader may have died mid-load)."""
 MAX_CONCURRENT_OPTIMIZATIONS = 2
 """Optimizer children running at once (each may use optimizer.memory_limit_mb); more uploads wait."""
 INPUT_BYTES_FACTOR = 4
@@ -350,9 +354,30 @@ def _error_text(exc: BaseException) -> str:
 
 
 class ModelRegistry:
-    def __init__(self, settings: ServiceSettings, metrics: MetricsSink | None = None) -> None:
+    """Every loaded model version of one server process.
+
+    ``prepare_store``: clean the store's leftovers and install the demo model at start (only one process
+    may do that: another worker's upload in progress would be a "leftover"). ``follow_store``: with
+    several worker processes on one store, look every ``store_sync_s`` for versions other workers added
+    or deleted, and load or unload them here.
+    """
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        metrics: MetricsSink | None = None,
+        *,
+        prepare_store: bool = True,
+        follow_store: bool = False,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.prepare_store = prepare_store
+        self.follow_store = follow_store
+        self._store_lock = asyncio.Lock()
+        """Held while this process changes which versions exist (publish + register, unload + remove) and
+        while it syncs with the store, so a sync never sees a version half-way."""
+        self._follow_task: asyncio.Task[None] | None = None
         self.store = ModelStore(Path(settings.model_dir))
         self._runner = OptimizerRunner(
             timeout_s=settings.optimizer.timeout_s, memory_limit_mb=settings.optimizer.memory_limit_mb
@@ -417,9 +442,10 @@ class ModelRegistry:
     async def start(self) -> None:
         """Clean leftovers, install the demo model in a fresh store (never used before: deleting every
         model does not bring the demo back), load every stored version."""
-        await asyncio.to_thread(self.store.cleanup_leftovers)
+        if self.prepare_store:
+            await asyncio.to_thread(self.store.cleanup_leftovers)
         stored = await asyncio.to_thread(self.store.list_models)
-        if self.settings.demo_model and await asyncio.to_thread(self.store.is_fresh):
+        if self.prepare_store and self.settings.demo_model and await asyncio.to_thread(self.store.is_fresh):
             await self._install_demo()
         for name, numbers in stored.items():
             for number in numbers:
@@ -428,11 +454,17 @@ class ModelRegistry:
                 await self._load_stored(name, number)
         self._started = True
         self._update_loaded()
+        if self.follow_store:
+            self._follow_task = asyncio.create_task(self._follow_store(), name="registry-follow-store")
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish within ``grace_s``, close every engine."""
         self._stopping = True
         self._runner.kill_all()
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow_task
         everything = [mv for versions in self._models.values() for mv in versions.values()]
         for mv in everything:
             if mv.state is ModelState.READY:
@@ -477,15 +509,16 @@ class ModelRegistry:
             outcome = await self._optimize(staged, out_dir, effective)
             self._check_accepting()
             metadata = await asyncio.to_thread(self._new_metadata, outcome, config, effective)
-            version = await asyncio.to_thread(
-                self.store.add_version, name, staged, files=outcome.files(), metadata=metadata
-            )
+            async with self._store_lock:
+                version = await asyncio.to_thread(
+                    self.store.add_version, name, staged, files=outcome.files(), metadata=metadata
+                )
+                metadata = await asyncio.to_thread(self.store.read_metadata, name, version)
+                mv = self._register(name, version, metadata, effective)
         finally:
             staged.unlink(missing_ok=True)
             if out_dir is not None:
                 shutil.rmtree(out_dir, ignore_errors=True)
-        metadata = await asyncio.to_thread(self.store.read_metadata, name, version)
-        mv = self._register(name, version, metadata, effective)
         try:
             await self._load(mv)
         except BaseException as exc:
@@ -513,18 +546,68 @@ class ModelRegistry:
             raise NotFoundError(f"model {_quoted(name)} version {version} is being deleted")
         if mv.state is ModelState.LOADING:
             raise ConflictError(f"model {_quoted(name)} version {version} is still loading; retry later")
+        async with self._store_lock:
+            await self._unload(mv)
+            await asyncio.to_thread(self.store.delete_version, name, version)
+
+    async def _unload(self, mv: ModelVersion) -> None:
+        """Stop routing to the version, let its in-flight requests finish, close it, forget it."""
         mv.state = ModelState.UNLOADING
         try:
             await mv._shutdown(timeout_s=mv.config.timeout_s + 1.0)
         finally:
-            versions.pop(version, None)
+            versions = self._models.get(mv.name, {})
+            versions.pop(mv.version, None)
             if not versions:
-                self._models.pop(name, None)
+                self._models.pop(mv.name, None)
             self._update_loaded()
-        await asyncio.to_thread(self.store.delete_version, name, version)
-        forget = getattr(self.metrics, "forget_version", None)
-        if callable(forget):
-            forget(name, version)
+            forget = getattr(self.metrics, "forget_version", None)
+            if callable(forget):
+                forget(mv.name, mv.version)
+
+    # ------------------------------------------------------------------ several workers, one store
+
+    async def _follow_store(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.store_sync_s)
+            try:
+                await self.sync_with_store()
+            except Exception:  # a bad pass must not end the following: the next one may succeed
+                log.exception("syncing with the model store failed")
+
+    async def sync_with_store(self) -> None:
+        """Load the versions other workers added to the store, unload the ones they deleted."""
+        async with self._store_lock:
+            stored = await asyncio.to_thread(self.store.list_models)
+            for name, numbers in stored.items():
+                for number in numbers:
+                    if self._stopping:
+                        return
+                    known = number in self._models.get(name, {})
+                    if not known and await asyncio.to_thread(self._settled, name, number):
+                        log.info("%s v%d was added by another worker: loading it", name, number)
+                        await self._load_stored(name, number)
+            for name, versions in list(self._models.items()):
+                for number, mv in list(versions.items()):
+                    gone = number not in stored.get(name, ())
+                    if gone and mv.state in (ModelState.READY, ModelState.FAILED):
+                        log.info("%s v%d was deleted by another worker: unloading it", name, number)
+                        await self._unload(mv)
+            self._update_loaded()
+
+    def _settled(self, name: str, version: int) -> bool:
+        """Its loader recorded the engine choice (so this load reuses it), or it is old (runs in a thread)."""
+        try:
+            metadata = self.store.read_metadata(name, version)
+        except (OSError, ValueError, ServiceError):
+            return False
+        if metadata.get("engine"):
+            return True
+        try:
+            created = dt.datetime.fromisoformat(str(metadata.get("created")))
+        except ValueError:
+            return True
+        return (dt.datetime.now(dt.UTC) - created).total_seconds() > SETTLE_S
 
     def _check_accepting(self) -> None:
         if self._stopping:

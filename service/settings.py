@@ -98,6 +98,17 @@ class ServiceSettings(BaseSettings):
     demo_model: bool = Field(True, description="Install the zoo's mobilenet_v3_large in a fresh store.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Server processes sharing the port, each with its own engines (one event loop caps HTTP "
+        "throughput; on a GPU they share the device).",
+    )
+    store_sync_s: float = Field(
+        2.0, gt=0.0, le=3600.0, description="With workers > 1: how often a worker picks up other workers' "
+        "uploads and deletes.",
+    )
     gil_switch_interval_ms: float = Field(
         0.5,
         gt=0.0,

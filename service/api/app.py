@@ -18,7 +18,7 @@ from service.settings import ServiceSettings
 from . import health, kserve, metrics_route, models, predict
 from .error_handlers import install_error_handlers
 from .fast_path import InferFastPath
-from .lifecycle import Lifecycle, lifespan
+from .lifecycle import Lifecycle, WorkerRole, lifespan
 from .schemas import BODY_MODELS
 
 if TYPE_CHECKING:
@@ -31,14 +31,22 @@ DESCRIPTION = (
 
 
 def create_app(
-    settings: ServiceSettings, registry: ModelRegistry | None = None, *, metrics: Metrics | None = None
+    settings: ServiceSettings,
+    registry: ModelRegistry | None = None,
+    *,
+    metrics: Metrics | None = None,
+    role: WorkerRole | None = None,
 ) -> FastAPI:
-    """Build the app. Without ``registry`` one is created on ``settings`` reporting to ``metrics``."""
+    """Build the app. Without ``registry`` one is created on ``settings`` reporting to ``metrics``.
+    ``role``: this process's part among several workers (default: the only server process)."""
     metrics = metrics if metrics is not None else Metrics()
+    role = role or WorkerRole()
     if registry is None:
         from service.registry import ModelRegistry
 
-        registry = ModelRegistry(settings, metrics=metrics)
+        registry = ModelRegistry(
+            settings, metrics=metrics, prepare_store=role.prepare_store, follow_store=role.follow_store
+        )
     app = FastAPI(
         title="onnx-cnn-serve",
         version=kserve.server_version(),
@@ -48,7 +56,7 @@ def create_app(
     app.state.settings = settings
     app.state.registry = registry
     app.state.metrics = metrics
-    app.state.lifecycle = Lifecycle(registry)
+    app.state.lifecycle = Lifecycle(registry, role)
     install_error_handlers(app)
     app.add_middleware(InferFastPath)
     for module in (health, predict, kserve, models, metrics_route):

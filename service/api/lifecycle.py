@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -23,11 +24,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("service.api")
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerRole:
+    """How one server process takes part when several share the port (``service.api.workers``).
+
+    ``prepare_store``: this process cleans the store and installs the demo model (the first worker's
+    first start only). ``follow_store``: pick up other workers' uploads and deletes. ``serve_before_ready``:
+    accept connections while models load (liveness answers, readiness says "loading"); the later workers
+    accept only once loaded, so a shared port never routes to a worker that cannot serve.
+    ``on_started``: called once the registry's startup has finished (successfully or not).
+    """
+
+    prepare_store: bool = True
+    follow_store: bool = False
+    serve_before_ready: bool = True
+    on_started: Callable[[], None] | None = None
+
+
 class Lifecycle:
     """Readiness as the API sees it: the registry is ready and no shutdown has begun."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, role: WorkerRole | None = None) -> None:
         self.registry = registry
+        self.role = role or WorkerRole()
         self.shutting_down = False
         self.start_failed: str | None = None
         self.start_task: asyncio.Task[None] | None = None
@@ -56,6 +75,9 @@ class Lifecycle:
             log.exception("model registry failed to start")
         else:
             log.info("model registry ready: %d model(s)", len(self.registry.names()))
+        finally:
+            if self.role.on_started is not None:
+                self.role.on_started()
 
     async def wait_started(self) -> None:
         """Wait for the registry's startup (tests, tools); raise if it failed."""
@@ -70,6 +92,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     lifecycle: Lifecycle = app.state.lifecycle
     lifecycle.shutting_down = False
     lifecycle.start_task = asyncio.create_task(lifecycle.start_registry(), name="registry-start")
+    if not lifecycle.role.serve_before_ready:
+        await asyncio.shield(lifecycle.start_task)  # uvicorn accepts connections only after this returns
     try:
         yield
     finally:

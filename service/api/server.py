@@ -3,7 +3,8 @@
 SIGTERM/SIGINT: readiness turns false at once (``Lifecycle.begin_shutdown`` in the signal handler), the
 listening socket closes, in-flight requests get up to ``shutdown_grace_s`` to finish, then the registry
 stops. A clean, signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT``
-goes to stdout with the real port, so ``--port 0`` works for tests and scripts.
+goes to stdout with the real port, so ``--port 0`` works for tests and scripts. With ``workers`` > 1 the
+supervisor in ``service.api.workers`` binds the port and runs one such server per worker process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import socket
 import sys
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -24,9 +26,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, *, announce: bool = True) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.announce = announce
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.lifecycle.begin_shutdown()
@@ -34,7 +37,7 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started and getattr(self, "servers", None):
+        if self.announce and self.started and getattr(self, "servers", None):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             print(f"listening on http://{shown}:{port}", flush=True)
@@ -64,13 +67,28 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
     )
 
 
-def serve(settings: ServiceSettings) -> int:
+def configure_process(settings: ServiceSettings) -> None:
+    """Logging and the GIL switch interval of a server process."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    app = create_app(settings)
-    server = _Server(uvicorn_config(settings, app), app.state.lifecycle)
+
+
+def serve(settings: ServiceSettings) -> int:
+    if settings.workers > 1:
+        from .workers import serve_workers
+
+        return serve_workers(settings)
+    configure_process(settings)
+    return run_server(settings, create_app(settings))
+
+
+def run_server(
+    settings: ServiceSettings, app: Any, *, sockets: list[socket.socket] | None = None, announce: bool = True
+) -> int:
+    """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port)."""
+    server = _Server(uvicorn_config(settings, app), app.state.lifecycle, announce=announce)
     try:
-        server.run()
+        server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
         return exc.code if isinstance(exc.code, int) else 1
     return 0 if server.started else 1

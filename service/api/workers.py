@@ -1,0 +1,203 @@
+"""Several server processes on one port: a supervisor and its workers (``SERVICE_WORKERS`` > 1).
+
+Why: one Python event loop spends a few hundred microseconds of CPU on every request (HTTP parsing, the
+body, the response). On a GPU that runs MobileNetV3 in about half a millisecond, one loop caps the
+server well below the GPU (bench/results/service-*-cuda.json). N worker processes share one listening
+socket (the kernel hands each new connection to one of them), and each holds its own engines and
+batchers on the same GPU.
+
+How:
+* The supervisor (this process) binds the socket, prints ``listening on ...`` and never touches CUDA.
+* Worker 0 starts first, alone. It cleans the store, installs the demo model, optimizes stale versions
+  again, and records each version's engine choice, so the tuner runs once. The other workers start once
+  worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
+  connections only when their models are loaded, so the shared port never routes to a worker that
+  cannot serve.
+* Uploads and deletes go to whichever worker receives them; the others follow the store every
+  ``store_sync_s`` (``ModelRegistry.sync_with_store``). A new version reaches the other workers once its
+  loader has recorded the engine choice, i.e. right after the upload's 201 plus their own load time;
+  until then a request that lands on another worker may get 404 for a brand-new model.
+* Metrics: ``PROMETHEUS_MULTIPROC_DIR`` points at a fresh folder, so ``/metrics`` from any worker covers
+  all of them (``service.metrics``).
+* A worker that dies is started again (at most ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; beyond that
+  the supervisor stops everything and exits 1). On SIGTERM or SIGINT, every worker gets SIGTERM and drains
+  as a single server would, and the supervisor exits 0 once they are all gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from service.settings import ServiceSettings
+
+from .server import configure_process, run_server
+
+log = logging.getLogger("service.workers")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+_POLL_S = 0.2
+_KILL_AFTER_GRACE_S = 15.0
+
+
+def serve_workers(settings: ServiceSettings) -> int:
+    """Bind, run ``settings.workers`` workers until a signal, return the exit status."""
+    configure_process(settings)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
+        return 1
+    metrics_dir = Path(tempfile.mkdtemp(prefix="service-metrics-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
+    try:
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"listening on http://{shown}:{port} ({settings.workers} workers)", flush=True)
+        return Supervisor(settings, sock).run()
+    finally:
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    process: Any  # multiprocessing's SpawnProcess
+    started: Any  # multiprocessing Event, set once the worker's registry has started
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the worker processes."""
+
+    def __init__(self, settings: ServiceSettings, sock: socket.socket) -> None:
+        self.settings = settings
+        self.sock = sock
+        self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
+        self.workers: dict[int, _Worker] = {}
+        self.stopping = False
+        self.restarts: collections.deque[float] = collections.deque()
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            first = self._start(0, first_start=True)
+            self._wait_started(first)
+            for index in range(1, self.settings.workers):
+                if not self.stopping:
+                    self._start(index, first_start=False)
+            return self._watch()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: stopping %d worker(s)", signal.Signals(signum).name, len(self.workers))
+        self.stopping = True
+
+    def _start(self, index: int, *, first_start: bool) -> _Worker:
+        started = self.ctx.Event()
+        args = (self.settings, self.sock, index, first_start and index == 0, started)
+        process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
+        process.start()
+        log.info("worker %d started (pid %d)", index, process.pid)
+        worker = _Worker(index, process, started)
+        self.workers[index] = worker
+        return worker
+
+    def _wait_started(self, worker: _Worker) -> None:
+        """Until the worker has loaded every model (or died, or a stop was asked for)."""
+        while not (self.stopping or worker.started.is_set() or not worker.process.is_alive()):
+            worker.started.wait(_POLL_S)
+
+    def _watch(self) -> int:
+        while not self.stopping:
+            sentinels = [w.process.sentinel for w in self.workers.values()]
+            multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
+            for worker in list(self.workers.values()):
+                if self.stopping or worker.process.is_alive():
+                    continue
+                _forget_metrics_of(worker.process.pid)
+                log.error("worker %d (pid %d) exited with %s", worker.index, worker.process.pid,
+                          worker.process.exitcode)
+                if not self._may_restart():
+                    log.error("%d worker restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
+                    return 1
+                self._start(worker.index, first_start=False)
+        return 0
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        if len(self.restarts) >= MAX_RESTARTS:
+            return False
+        self.restarts.append(now)
+        return True
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every worker (each drains like a single server), then wait; kill what overstays."""
+        for worker in self.workers.values():
+            if worker.process.is_alive():
+                os.kill(worker.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + _KILL_AFTER_GRACE_S
+        for worker in self.workers.values():
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.error("worker %d did not stop in time: killing it", worker.index)
+                worker.process.kill()
+                worker.process.join(5)
+            _forget_metrics_of(worker.process.pid)
+
+
+def _forget_metrics_of(pid: int | None) -> None:
+    """Drop a dead worker's live gauges (queue depth, loaded models) from the merged metrics."""
+    if pid is None or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    from prometheus_client import multiprocess
+
+    try:
+        multiprocess.mark_process_dead(pid)
+    except OSError as exc:
+        log.warning("could not clear the metrics of pid %d: %s", pid, exc)
+
+
+def _worker_main(
+    settings: ServiceSettings, sock: socket.socket, index: int, prepare_store: bool, started: Any
+) -> None:
+    """One worker process: the app on the shared socket (see the module docstring for the roles)."""
+    from .app import create_app
+    from .lifecycle import WorkerRole
+
+    configure_process(settings)
+    role = WorkerRole(
+        prepare_store=prepare_store,
+        follow_store=True,
+        serve_before_ready=prepare_store,  # only the very first worker answers while it loads
+        on_started=started.set,
+    )
+    log.info("worker %d (pid %d) loading models", index, os.getpid())
+    sys.exit(run_server(settings, create_app(settings, role=role), sockets=[sock], announce=False))

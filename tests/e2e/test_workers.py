@@ -1,0 +1,141 @@
+"""Several worker processes on one port (SERVICE_WORKERS=2), end to end.
+
+Each HTTP connection is pinned to one worker (the kernel hands an accepted connection to one process), so
+the test opens keep-alive connections until it holds one to each worker, found with psutil. Then: an
+upload through one worker is served by the other after its store sync; a delete through the other is
+seen by the first; /metrics from either worker counts the requests of both; a worker killed with -9 is
+replaced; SIGTERM stops the supervisor and every worker with status 0.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from builders import reference, tiny_cnn
+from live_server import AUTH, running
+
+pytestmark = pytest.mark.e2e
+
+
+def worker_pids(supervisor_pid: int) -> set[int]:
+    """The supervisor's live worker processes (not multiprocessing's resource tracker, not zombies)."""
+    pids = set()
+    for child in psutil.Process(supervisor_pid).children():
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return pids
+
+
+def owner(conn: http.client.HTTPConnection, pids: set[int], server_port: int) -> int | None:
+    """The worker holding the server side of this connection."""
+    client_port = conn.sock.getsockname()[1]
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.laddr and c.raddr and c.laddr.port == server_port and c.raddr.port == client_port:
+                return pid
+    return None
+
+
+def call(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None, headers=None
+) -> tuple[int, bytes]:
+    conn.request(method, path, body=body, headers=headers or {})
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def one_connection_per_worker(
+    port: int, pids: set[int], timeout: float = 60.0
+) -> dict[int, http.client.HTTPConnection]:
+    """Later workers accept connections only once their models are loaded: wait for that."""
+    pinned: dict[int, http.client.HTTPConnection] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        assert call(conn, "GET", "/v2/health/live")[0] == 200
+        pid = owner(conn, pids, port)
+        if pid is not None and pid not in pinned:
+            pinned[pid] = conn
+        else:
+            conn.close()
+        if len(pinned) == len(pids):
+            return pinned
+        time.sleep(0.05)
+    pytest.fail(f"connections reached only workers {sorted(pinned)} of {sorted(pids)} in {timeout:.0f} s")
+
+
+def wait_status(conn: http.client.HTTPConnection, path: str, status: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        got = call(conn, "GET", path)[0]
+        if got == status:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"GET {path} gave {got}, not {status}, for {timeout:.0f} s")
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
+    model = tiny_cnn(seed=5)
+    x = np.random.default_rng(3).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    want = reference(model, {"input": x})["logits"]
+    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
+    with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
+        pids = worker_pids(server.pid)
+        assert len(pids) == 2
+        conns = one_connection_per_worker(server.port, pids)
+        (pid_a, a), (pid_b, b) = sorted(conns.items())
+
+        status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
+        assert status == 201, body
+        wait_status(b, "/v2/models/tiny/ready", 200)
+        predict = json.dumps({"model": "tiny", "inputs": {"input": x.tolist()}}).encode()
+        for conn in (a, b):
+            status, body = call(conn, "POST", "/predict", predict, {"content-type": "application/json"})
+            assert status == 200, body
+            got = np.asarray(json.loads(body)["outputs"]["logits"], np.float32)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+        for conn in (a, b):  # either worker reports both workers' requests
+            text = call(conn, "GET", "/metrics")[1].decode()
+            assert metric_total(text, "service_requests_total", model="tiny", outcome="success") == 2
+
+        status, body = call(b, "DELETE", "/v1/models/tiny/versions/1", headers=AUTH)
+        assert status in (200, 204), body
+        wait_status(a, "/v2/models/tiny/ready", 404)
+
+        os.kill(pid_b, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = worker_pids(server.pid)
+            if len(now) == 2 and pid_b not in now:
+                break
+            time.sleep(0.2)
+        replacement = worker_pids(server.pid) - {pid_a}
+        assert len(replacement) == 1 and pid_b not in replacement, "the killed worker was not replaced"
+        one_connection_per_worker(server.port, worker_pids(server.pid))  # the new one accepts connections
+
+        for conn in conns.values():
+            conn.close()
+        assert server.terminate() == 0
+        for pid in (pid_a, *replacement):
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
