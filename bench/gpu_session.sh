@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls): `bench/gpu_session.sh engine` then `bench/gpu_session.sh service`. Everything lands in
-# $OUT (logs and JSON), which the lead copies into bench/results/.
+# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests`. Everything lands
+# in $OUT (logs and JSON), which the lead copies into bench/results/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 part=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
+nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
+if [ "$part" = probe ] || [ "$part" = all ]; then
+  timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
+    --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
+fi
 if [ "$part" = engine ] || [ "$part" = all ]; then
-  timeout "${ENGINE_TIMEOUT_S:-330}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-280}" \
-    --out-dir "$OUT" 2>&1 | tee "$OUT/engine.log"
+  timeout "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
+    --out-dir "$OUT" 2>&1 | tee "$OUT/engine.log" | tail -80
 fi
 if [ "$part" = service ] || [ "$part" = all ]; then
-  timeout "${SERVICE_TIMEOUT_S:-230}" python3 bench/service.py --device cuda --quick --client-procs 4 \
-    --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log"
-  timeout "${TESTS_TIMEOUT_S:-60}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log"
+  timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick --client-procs 8 \
+    --servers "${SERVERS:-service,service_workers,service_nobatch,naive,service_gil5}" --workers "${WORKERS:-4}" \
+    --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
+fi
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
 fi

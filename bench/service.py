@@ -59,6 +59,8 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 
 DEMO_MODEL = "mobilenet_v3_large"
+SERIES_OF = {"naive": ("json",), "service_workers": ("binary",), "service_gil5": ("binary",)}
+"""Series per server where not both: the naive server speaks only JSON; the variants are about binary."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -629,7 +631,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     }
     for name in args.servers:
         server = servers[name]()
-        usable = [p for p in payloads if name != "naive" or p.series == "json"]
+        usable = [p for p in payloads if p.series in SERIES_OF.get(name, ("binary", "json"))]
         rows.extend(bench_server(server, usable, args, eng))
 
     summary = summarize(rows, eng, args.concurrency)
