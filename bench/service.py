@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import http.client
 import json
 import math
 import multiprocessing
@@ -397,18 +398,29 @@ def _row(server: str, payload: Payload, concurrency: int, point: PointResult, ba
 
 
 def single_request_latency(url: str, payload: Payload, requests: int = 200, warmup: int = 20) -> list[float]:
-    """Latencies (ms) of requests sent one at a time on one keep-alive connection by a plain blocking
-    client: the server's own per-request cost, without an asyncio client's scheduling on top."""
+    """Latencies (ms) of requests sent one at a time on one keep-alive connection by the leanest blocking
+    client (the standard library's http.client): the server's own per-request cost, without an asyncio
+    client's scheduling or httpx's per-request work on top."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
     times = []
-    with httpx.Client(base_url=url, timeout=30) as client:
+    try:
         for index in range(warmup + requests):
             started = time.perf_counter()
-            resp = client.post(payload.path, content=payload.body, headers=payload.headers)
+            conn.request("POST", payload.path, body=payload.body, headers=payload.headers)
+            resp = conn.getresponse()
+            content = resp.read()
             elapsed = (time.perf_counter() - started) * 1e3
-            if not response_ok(payload, resp):
-                raise RuntimeError(f"single request failed: {resp.status_code} {resp.text[:200]}")
+            header_length = resp.getheader("inference-header-content-length")
+            if resp.status != 200 or (
+                payload.series == "binary"
+                and (header_length is None or len(content) - int(header_length) != payload.output_count * 4)
+            ):
+                raise RuntimeError(f"single request failed: {resp.status} {content[:200]!r}")
             if index >= warmup:
                 times.append(elapsed)
+    finally:
+        conn.close()
     return times
 
 
