@@ -149,7 +149,7 @@ from service.runtime.engine import Engine
 from service.runtime.precision import check_fp16, to_fp16
 from service.settings import EngineSettings
 
-model, _ = optimize(zoo.build("mobilenet_v3_large"), OptimizerConfig(fused_conv=False))
+model, _ = optimize(zoo.build(sys.argv[1]), OptimizerConfig(fused_conv=False))
 e16 = Engine.load(to_fp16(model), EngineSettings(device="cuda"), variant="fp16")
 e32 = Engine.load(model, EngineSettings(device="cpu", buckets=(4,)))
 info = e16.describe()
@@ -158,27 +158,56 @@ print(json.dumps({"precision": info["precision"], "cuda_graph": info["cuda_graph
                   "io": [str(e16.inputs[0].dtype), str(e16.outputs[0].dtype)], **result.to_dict()}))
 """
 
+_FP16_SELECT_SCRIPT = """
+import json
+import numpy as np
+from service import zoo
+from service.optimizer import OptimizerConfig, optimize
+from service.runtime.autotune import select_variant
+from service.runtime.engine import random_feeds
+from service.settings import EngineSettings
 
-def test_fp16_variant_within_tolerance() -> None:
-    """fp16 of what we serve (optimized MobileNetV3 without FusedConv), every bucket captured.
+model, _ = optimize(zoo.build("mobilenet_v3_large"), OptimizerConfig(fused_conv=False))
+engine, record = select_variant({"plain": model}, EngineSettings(device="cuda", buckets=(1, 8)), precision="fp16")
+out = engine.run(random_feeds(engine.inputs, 3, np.random.default_rng(0)))
+print(json.dumps({"precision": engine.describe()["precision"], "finite": bool(all(np.isfinite(v).all() for v in out.values())),
+                  "skipped": record.get("skipped"), "reason": record.get("reason")}))
+"""
 
-    Runs in a fresh process: on 2026-11-29 (H200, ORT 1.31.1) an fp16 MobileNetV3 engine whose process
-    had already created and destroyed other CUDA sessions failed its first replay after warm-up with an
-    illegal memory access, which poisons the whole CUDA context; in a fresh process it passed.
-    """
+
+def _run_script(script: str, *args: str) -> dict:
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _FP16_SCRIPT], cwd=root, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, capture_output=True, text=True,
                           timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fp16_variant_within_tolerance() -> None:
+    """fp16 ResNet (optimized, no FusedConv), every bucket captured, within the fp16 tolerance.
+
+    A fresh process, and ResNet rather than MobileNetV3: on an H200 with ORT 1.31.1 the fp16
+    MobileNetV3 crashes at its first CUDA-graph replay even alone in a process
+    (bench/results/cuda-probe-2026-11-30-h200.json); the next test covers what the service does then.
+    """
+    result = _run_script(_FP16_SCRIPT, "resnet18")
     assert result["precision"] == "fp16" and result["cuda_graph"] is True, result
     assert result["io"] == ["float32", "float32"]
     assert result["ok"], result
+
+
+def test_fp16_request_never_takes_the_process_down() -> None:
+    """precision fp16 for MobileNetV3: the serving process gets a working engine, fp16 if ORT can replay
+    it, else fp32 with the tuner's reason recorded (the crash stays in the tuner's child process)."""
+    result = _run_script(_FP16_SELECT_SCRIPT)
+    assert result["finite"], result
+    if result["precision"] == "fp32":
+        assert result["skipped"] and all("fp16" in key for key in result["skipped"]), result
 
 
 def test_graph_falls_back_when_a_node_is_not_on_cuda() -> None:
