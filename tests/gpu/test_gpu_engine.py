@@ -170,7 +170,8 @@ from service.settings import EngineSettings
 model, _ = optimize(zoo.build("mobilenet_v3_large"), OptimizerConfig(fused_conv=False))
 engine, record = select_variant({"plain": model}, EngineSettings(device="cuda", buckets=(1, 8)), precision="fp16")
 out = engine.run(random_feeds(engine.inputs, 3, np.random.default_rng(0)))
-print(json.dumps({"precision": engine.describe()["precision"], "finite": bool(all(np.isfinite(v).all() for v in out.values())),
+finite = bool(all(np.isfinite(v).all() for v in out.values()))
+print(json.dumps({"precision": engine.describe()["precision"], "finite": finite,
                   "skipped": record.get("skipped"), "reason": record.get("reason")}))
 """
 
