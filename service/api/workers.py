@@ -2,12 +2,17 @@
 
 Why: one Python event loop spends a few hundred microseconds of CPU on every request (HTTP parsing, the
 body, the response). On a GPU that runs MobileNetV3 in about half a millisecond, one loop caps the
-server well below the GPU (bench/results/service-*-cuda.json). N worker processes share one listening
-socket (the kernel hands each new connection to one of them), and each holds its own engines and
-batchers on the same GPU.
+server well below the GPU (bench/results/service-*-cuda.json). N worker processes listen on one port
+and each holds its own engines and batchers on the same GPU.
 
 How:
-* The supervisor (this process) binds the socket, prints ``listening on ...`` and never touches CUDA.
+* The supervisor (this process) reserves the port (a bound socket that never listens), prints
+  ``listening on ...`` and never touches CUDA. Each worker listens on its own ``SO_REUSEPORT`` socket
+  on that port, so the kernel spreads new connections over the workers that listen (32 connections at
+  once: 6/8/8/10 over 4 workers, ad hoc check on the CPU machine). The first version shared one
+  listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up
+  to 100 per wake-up), an ad hoc check gave 13/10/8/1, and on the H200 4 workers served no more than 1
+  (bench/results/service-2026-11-30-cuda.json).
 * Worker 0 starts first, alone. It cleans the store, installs the demo model, optimizes stale versions
   again, and records each version's engine choice, so the tuner runs once. The other workers start once
   worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
@@ -58,7 +63,7 @@ def serve_workers(settings: ServiceSettings) -> int:
     """Bind, run ``settings.workers`` workers until a signal, return the exit status."""
     configure_process(settings)
     try:
-        sock = bind_socket(settings.host, settings.port)
+        sock = reuseport_socket(settings.host, settings.port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1
@@ -75,10 +80,17 @@ def serve_workers(settings: ServiceSettings) -> int:
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket with SO_REUSEPORT, not listening (asyncio listens when the server starts)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048)
-    sock.set_inheritable(True)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -92,9 +104,9 @@ class _Worker:
 class Supervisor:
     """Starts, watches, restarts and stops the worker processes."""
 
-    def __init__(self, settings: ServiceSettings, sock: socket.socket) -> None:
+    def __init__(self, settings: ServiceSettings, reserved: socket.socket) -> None:
         self.settings = settings
-        self.sock = sock
+        self.host, self.port = settings.host, int(reserved.getsockname()[1])
         self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
         self.workers: dict[int, _Worker] = {}
         self.stopping = False
@@ -120,7 +132,7 @@ class Supervisor:
 
     def _start(self, index: int, *, first_start: bool) -> _Worker:
         started = self.ctx.Event()
-        args = (self.settings, self.sock, index, first_start and index == 0, started)
+        args = (self.settings, self.host, self.port, index, first_start and index == 0, started)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
@@ -186,7 +198,7 @@ def _forget_metrics_of(pid: int | None) -> None:
 
 
 def _worker_main(
-    settings: ServiceSettings, sock: socket.socket, index: int, prepare_store: bool, started: Any
+    settings: ServiceSettings, host: str, port: int, index: int, prepare_store: bool, started: Any
 ) -> None:
     """One worker process: the app on the shared socket (see the module docstring for the roles)."""
     from .app import create_app
@@ -200,4 +212,5 @@ def _worker_main(
         on_started=started.set,
     )
     log.info("worker %d (pid %d) loading models", index, os.getpid())
+    sock = reuseport_socket(host, port)  # listening starts once the app has started (see WorkerRole)
     sys.exit(run_server(settings, create_app(settings, role=role), sockets=[sock], announce=False))
