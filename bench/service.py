@@ -140,8 +140,8 @@ def service_server(name: str, model_dir: Path, device: str, logs: Path, **env: s
         SERVICE_ENGINE__DEVICE=device,
         SERVICE_LOG_LEVEL="warning",
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-        **env,
     )
+    base.update(env)  # the caller's settings win
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
     return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log")
 

@@ -9,7 +9,6 @@ supervisor in ``service.api.workers`` binds the port and runs one such server pe
 
 from __future__ import annotations
 
-import importlib
 import logging
 import socket
 import sys
@@ -69,35 +68,9 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
 
 
 def configure_process(settings: ServiceSettings) -> None:
-    """Logging, the GIL switch interval and uvicorn's request-body buffer of a server process."""
+    """Logging and the GIL switch interval of a server process."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    set_body_buffer(settings.http_body_buffer_kb * 1024)
-
-
-_UVICORN_HTTP_MODULES = ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl")
-
-
-def set_body_buffer(limit: int) -> list[str]:
-    """Let uvicorn buffer up to ``limit`` bytes of a request body before it pauses reading the socket.
-
-    Why: uvicorn pauses the socket whenever more than 64 KiB of body wait for the app, and resumes when
-    the app takes them: a 600 KB image tensor then costs several pause/resume round trips through the
-    event loop. On this project's CPU machine a 600 KB POST to a bare ASGI app took a median of 1.06 ms
-    with 64 KiB against 0.73 ms with 8 MiB (ad hoc, 4 alternating runs of 1,000 requests). uvicorn has no
-    option for it, so the module constant its protocols read is set (returns the modules changed).
-    The app still reads every body as it arrives and refuses it beyond ``max_request_mb``.
-    """
-    changed = []
-    for name in _UVICORN_HTTP_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # httptools is optional in uvicorn
-            continue
-        if hasattr(module, "HIGH_WATER_LIMIT"):
-            module.HIGH_WATER_LIMIT = limit
-            changed.append(name)
-    return changed
 
 
 def serve(settings: ServiceSettings) -> int:

@@ -1,0 +1,148 @@
+"""What one inference request costs the server besides the engine, and how much of it is the HTTP stack.
+
+    python bench/http_overhead.py [--rounds 6] [--requests 400]
+
+A model that does almost nothing (GlobalAveragePool over a [N, 3, 224, 224] image, i.e. the demo
+model's 600 KB input) is served by the real server, ``python -m service serve``, on the CPU provider.
+One KServe V2 binary request is sent at a time on a kept-alive connection with http.client, so the
+latency is HTTP + decoding + batcher + engine call + response, and the engine's own part is measured
+alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
+``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
+the same size. The two alternate in rounds so that both see the same minutes of a shared host.
+Prints a table and writes ``bench/results/http-overhead-<date>.json``.
+
+An earlier version compared uvicorn's body buffer at 64 KiB and 8 MiB (a setting that then existed):
+no difference, 1.055 against 1.059 ms (bench/results/http-overhead-2026-11-30-body-buffer-ab.json),
+so the setting was removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from bench.service import (  # noqa: E402
+    Server,
+    binary_payload,
+    running,
+    service_server,
+    single_request_latency,
+)
+
+TOKEN = "bench-http-overhead-token-0123456789"
+VARIANTS = ("service", "floor")
+FLOOR_APP = """
+import uvicorn
+
+REPLY = b"{}" + bytes(12)
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = bytearray()
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    headers = [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": REPLY})
+
+
+if __name__ == "__main__":
+    import sys
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 1]), log_level="warning")
+"""
+
+
+UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
+
+
+def variant_server(name: str, work: Path, index: int) -> Server:
+    if name == "floor":
+        script = work / "floor_app.py"
+        script.write_text(FLOOR_APP)
+        return Server("floor", [sys.executable, str(script)], dict(os.environ), "/", work / "floor.log")
+    env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
+    return service_server("service", work / "models", "cpu", work, **env)
+
+
+def light_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["output"])],
+        "light",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3, 1, 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def engine_ms(model: onnx.ModelProto, runs: int = 2000) -> float:
+    from service.runtime.engine import Engine, time_calls
+    from service.settings import EngineSettings
+
+    x = {"input": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    with Engine.load(model, EngineSettings(device="cpu", buckets=(1,))) as engine:
+        return statistics.median(time_calls(lambda: engine.run(x), runs=runs, max_s=5.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=400)
+    args = parser.parse_args(argv)
+    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi"))
+    model = light_model()
+    sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    payload = binary_payload("light", "input", "output", sample, 3)
+    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
+        work = Path(tmp)
+        for index in range(args.rounds):
+            names = list(VARIANTS) if index % 2 == 0 else list(VARIANTS)[::-1]
+            for name in names:
+                with running(variant_server(name, work, index), 120) as server:
+                    if name == "service" and index == 0:  # the store keeps it for later rounds
+                        r = httpx.post(f"{server.url}/v1/models/light", content=model.SerializeToString(),
+                                       headers=UPLOAD_HEADERS, timeout=120)
+                        r.raise_for_status()
+                    times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
+                samples[name].append(statistics.median(times))
+                print(f"round {index + 1}: {name:15s} p50 {samples[name][-1]:.3f} ms", flush=True)
+    engine = engine_ms(model)
+    rows = [{"variant": name, "p50_ms_median_of_rounds": statistics.median(values),
+             "overhead_ms": statistics.median(values) - engine, "round_p50s": [round(v, 3) for v in values]}
+            for name, values in samples.items()]
+    document = {"model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input), CPU provider",
+                "engine_run_ms_b1": engine, "rounds": args.rounds, "requests_per_round": args.requests,
+                "client": "http.client, one request at a time, kept-alive connection", "rows": rows,
+                "service_minus_floor_ms": rows[0]["p50_ms_median_of_rounds"] - rows[1]["p50_ms_median_of_rounds"]}
+    path = common.write_result("http-overhead", document, head=head,
+                               path=common.RESULTS_DIR / f"http-overhead-{head['date']}.json")
+    common.print_table(rows, ["variant", "p50_ms_median_of_rounds", "overhead_ms"],
+                       title=f"one binary request (engine alone: {engine:.3f} ms)", digits=3)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
