@@ -8,7 +8,8 @@ One KServe V2 binary request is sent at a time on a kept-alive connection with h
 latency is HTTP + decoding + batcher + engine call + response, and the engine's own part is measured
 alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
 ``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
-the same size. The two alternate in rounds so that both see the same minutes of a shared host.
+the same size; ``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is
+installed). The variants alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
 An earlier version compared uvicorn's body buffer at 64 KiB and 8 MiB (a setting that then existed):
@@ -19,6 +20,7 @@ so the setting was removed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -44,7 +46,7 @@ from bench.service import (  # noqa: E402
 )
 
 TOKEN = "bench-http-overhead-token-0123456789"
-VARIANTS = ("service", "floor")
+VARIANTS = ("service", "floor", "floor_granian")
 FLOOR_APP = """
 import uvicorn
 
@@ -76,10 +78,14 @@ UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "applicati
 
 
 def variant_server(name: str, work: Path, index: int) -> Server:
-    if name == "floor":
+    if name.startswith("floor"):
         script = work / "floor_app.py"
         script.write_text(FLOOR_APP)
-        return Server("floor", [sys.executable, str(script)], dict(os.environ), "/", work / "floor.log")
+        command = [sys.executable, str(script)]
+        if name == "floor_granian":  # the same app on granian, a Rust HTTP server (pip install granian)
+            command = [sys.executable, "-m", "granian", "--interface", "asgi", "--workers", "1", "--no-ws",
+                       "--log-level", "warning", "--working-dir", str(work), "floor_app:app"]
+        return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
     return service_server("service", work / "models", "cpu", work, **env)
 
@@ -114,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     model = light_model()
     sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)
-    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    variants = [v for v in VARIANTS if v != "floor_granian" or importlib.util.find_spec("granian")]
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         work = Path(tmp)
         for index in range(args.rounds):
-            names = list(VARIANTS) if index % 2 == 0 else list(VARIANTS)[::-1]
+            names = variants if index % 2 == 0 else variants[::-1]
             for name in names:
                 with running(variant_server(name, work, index), 120) as server:
                     if name == "service" and index == 0:  # the store keeps it for later rounds
