@@ -7,6 +7,7 @@ under test.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -520,3 +521,41 @@ def test_a_fresh_store_gets_the_demo_model(tmp_path):
     expected = reference(zoo.build("mobilenet_v3_large"), {spec.name: x})
     np.testing.assert_allclose(result.outputs[mv.outputs[0].name], expected[0], rtol=1e-3, atol=1e-4)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_second_worker_follows_uploads_and_deletes_through_the_store(tmp_path):
+    """Two registries on one store (what two worker processes are): B loads what A uploaded once A has
+    recorded its engine choice, never a version still without one, and unloads what A deleted."""
+    model = conv_relu_model(seed=4)
+    settings = settings_for(tmp_path)
+
+    async def scenario():
+        a = ModelRegistry(settings)
+        b = ModelRegistry(settings, prepare_store=False, follow_store=False)  # synced by hand below
+        await a.start()
+        await b.start()
+        await upload(a, "tiny", model)
+        meta_path = tmp_path / "tiny" / "1" / "metadata.json"
+        recorded = meta_path.read_bytes()
+        unsettled = json.loads(recorded)
+        unsettled["engine"] = None  # as if A were still loading it
+        meta_path.write_text(json.dumps(unsettled))
+        await b.sync_with_store()
+        names_while_loading = b.names()
+        meta_path.write_bytes(recorded)
+        await b.sync_with_store()
+        x = images(2, seed=5)
+        answer = (await b.get("tiny").infer({"x": x})).outputs["y"]
+        optimizations = b.optimizations
+        await a.delete("tiny", 1)
+        await b.sync_with_store()
+        gone = b.names()
+        await a.stop(5)
+        await b.stop(5)
+        return names_while_loading, x, answer, optimizations, gone
+
+    names_while_loading, x, answer, optimizations, gone = asyncio.run(scenario())
+    assert names_while_loading == [], "a version without an engine record must wait"
+    np.testing.assert_allclose(answer, reference(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert optimizations == 0, "the follower reuses the optimized files"
+    assert gone == []
