@@ -29,3 +29,7 @@ if [ "$part" = bisect ]; then
   timeout "${BISECT_TIMEOUT_S:-200}" python3 bench/cuda_bisect.py --timeout-s 45 --max-tries 9 \
     --out "$OUT/cuda-bisect.json" 2>&1 | tee "$OUT/bisect.log" | tail -30
 fi
+if [ "$part" = census ]; then
+  timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py --out "$OUT/kernel-census.json" 2>&1 \
+    | tee "$OUT/census.log" | tail -30
+fi
