@@ -63,7 +63,7 @@ def serve_workers(settings: ServiceSettings) -> int:
     """Bind, run ``settings.workers`` workers until a signal, return the exit status."""
     configure_process(settings)
     try:
-        sock = reuseport_socket(settings.host, settings.port)
+        sock = reserve_port(settings.host, settings.port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1
@@ -78,6 +78,20 @@ def serve_workers(settings: ServiceSettings) -> int:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The supervisor's bound, never-listening SO_REUSEPORT socket on a port that was free.
+
+    A plain bind first: SO_REUSEPORT alone would let a second server of the same user share a port that
+    is already served, splitting its connections between two servers without a word.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = int(probe.getsockname()[1])
+    return reuseport_socket(host, port)
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
