@@ -308,6 +308,7 @@ class ModelVersion:
             self.max_batch_size = 1  # a fixed batch dim or an output without one: never concatenate requests
         self._batcher = Batcher(
             engine.run,
+            run_parts=engine.run_parts,
             max_batch_size=self.max_batch_size,
             max_delay_s=self.config.max_delay_s,
             queue_size=self.config.queue_size,

@@ -47,6 +47,8 @@ from service.errors import (
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+RunParts = Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]
+"""Runs several requests' inputs as one batch without concatenating them first (``Engine.run_parts``)."""
 OnBatch = Callable[[int, float, float], None]
 """Called after every engine call with (batch size in samples, longest queue wait s, compute s)."""
 
@@ -91,10 +93,12 @@ class Batcher:
         timeout_s: float,
         name: str = "model",
         on_batch: OnBatch | None = None,
+        run_parts: RunParts | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0:
             raise ValueError("need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0")
         self._run_batch = run_batch
+        self._run_parts = run_parts
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
         self.queue_size = queue_size
@@ -362,10 +366,11 @@ class Batcher:
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
         """Runs on the engine thread: concatenate, run once, split back (copies, never views)."""
         if len(inputs) == 1:
-            feeds = inputs[0]
+            outputs = self._run_batch(inputs[0])
+        elif self._run_parts is not None:
+            outputs = self._run_parts(inputs)
         else:
-            feeds = {name: np.concatenate([x[name] for x in inputs], axis=0) for name in inputs[0]}
-        outputs = self._run_batch(feeds)
+            outputs = self._run_batch({name: np.concatenate([x[name] for x in inputs], axis=0) for name in inputs[0]})
         total = sum(sizes)
         for name, value in outputs.items():
             if not isinstance(value, np.ndarray):

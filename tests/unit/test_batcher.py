@@ -419,3 +419,29 @@ def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running
     assert all(isinstance(o, ShuttingDownError) for o in outcomes)
     assert before_release == []  # the engine was not finalized under the running call
     assert events == ["call ended", "finalized"]
+
+
+def test_several_requests_go_to_run_parts_when_given() -> None:
+    """With ``run_parts`` the batch reaches the engine as its requests (no concatenation by the batcher),
+    and every caller still gets exactly its own rows."""
+    engine = FakeEngine()
+    part_calls: list[list[int]] = []
+
+    def run_parts(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        part_calls.append([len(p["x"]) for p in parts])
+        return engine({"x": np.concatenate([p["x"] for p in parts])})
+
+    inputs = [rows(float(i), 1 + i % 3) for i in range(6)]
+
+    async def main():
+        batcher = make(engine, run_parts=run_parts, max_delay_s=0.05)
+        batcher.start()
+        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        await batcher.stop()
+        return results
+
+    results = asyncio.run(main())
+    for result, x in zip(results, inputs, strict=True):
+        check_own(result, x)
+    assert part_calls and all(len(call) > 1 for call in part_calls), part_calls
+    assert len(engine.rows_seen()) == sum(len(x["x"]) for x in inputs)  # every row computed exactly once

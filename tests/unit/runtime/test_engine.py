@@ -100,6 +100,22 @@ def test_chunks_above_largest_bucket(engine: Engine, model: onnx.ModelProto) -> 
     np.testing.assert_allclose(out, reference(model, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [[1, 2], [3, 1, 1], [2, 2, 2, 2], [1] * 8, [5, 6, 7]])
+def test_run_parts_equals_one_concatenated_run(engine: Engine, model: onnx.ModelProto, sizes: list[int]) -> None:
+    """Parts copied into their rows (padding after them) or, above the largest bucket, concatenated."""
+    engine.run({"x": images(8, seed=9) * 50})  # stale rows in the buffers must not matter
+    parts = [{"x": images(n, seed=20 + i)} for i, n in enumerate(sizes)]
+    out = engine.run_parts(parts)["y"]
+    x = np.concatenate([p["x"] for p in parts])
+    assert out.shape == (len(x), 5)
+    np.testing.assert_allclose(out, reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_run_parts_checks_every_part(engine: Engine) -> None:
+    with pytest.raises(InvalidInputError, match="'x'"):
+        engine.run_parts([{"x": images(1)}, {"x": images(1)[:, :2]}])
+
+
 def test_outputs_are_not_overwritten_by_the_next_call(engine: Engine) -> None:
     first = engine.run({"x": images(3, seed=3)})["y"]
     kept = first.copy()
