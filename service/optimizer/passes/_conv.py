@@ -80,6 +80,3 @@ def replace_weight_bias(
         node.inputs.append(new_bias)
 
 
-def taken_names(graph: gs.Graph) -> set[str]:
-    """Every tensor and node name of the graph (for ``unique_name``), computed once per pass call."""
-    return set(graph.tensors().keys()) | {node.name for node in graph.nodes}

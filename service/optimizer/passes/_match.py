@@ -9,6 +9,8 @@ except ``bypass`` and ``rewire_output``, whose whole purpose is to change it saf
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -27,6 +29,7 @@ _NUMERIC_DTYPES = frozenset(
 FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 # The standard ONNX domain: exporters usually leave NodeProto.domain unset, which graphsurgeon reads as None.
 DEFAULT_DOMAINS = (None, "", "ai.onnx")
+T = TypeVar("T")
 
 _CONSTANT_NODE_ATTRS = {
     "value": None,
@@ -247,9 +250,45 @@ def attr(node: gs.Node, name: str, default=None):
     return node.attrs.get(name, default)
 
 
+def is_live(node: gs.Node) -> bool:
+    """Not yet detached by a rewrite of the current pass."""
+    return bool(node.outputs)
+
+
+def detach(nodes: tuple[gs.Node, ...] | list[gs.Node]) -> None:
+    """Disconnect matched nodes so that nothing counts them as consumers; cleanup() drops them."""
+    for node in nodes:
+        node.inputs.clear()
+        node.outputs.clear()
+
+
+def base_name(node: gs.Node) -> str:
+    return node.name or node.outputs[0].name
+
+
+def taken_names(graph: gs.Graph) -> set[str]:
+    """Every tensor and node name of the graph (for ``unique_name``), computed once per pass call."""
+    return set(graph.tensors().keys()) | {node.name for node in graph.nodes}
+
+
+def matches(graph: gs.Graph, match: Callable[[gs.Graph, gs.Node], T | None]) -> Iterator[tuple[gs.Node, T, set[str]]]:
+    """``(node, match, taken names)`` for every node of a snapshot of the graph that ``match`` accepts.
+
+    The caller rewrites each match before the next node is tried (matchers skip detached nodes); the
+    name set is computed at the first match only and shared, so names the rewrites add stay unique.
+    """
+    taken: set[str] | None = None
+    for node in list(graph.nodes):
+        found = match(graph, node)
+        if found is None:
+            continue
+        taken = taken if taken is not None else taken_names(graph)
+        yield node, found, taken
+
+
 def unique_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
     """A tensor/node name not used in ``graph`` (pass ``taken`` to avoid recomputing the name set)."""
-    names = taken if taken is not None else set(graph.tensors().keys()) | {n.name for n in graph.nodes}
+    names = taken if taken is not None else taken_names(graph)
     candidate, index = base, 0
     while candidate in names:
         index += 1

@@ -11,19 +11,13 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._bn import bn_affine
-from service.optimizer.passes._conv import conv_params, replace_weight_bias, scale_weight, taken_names
-from service.optimizer.passes._match import is_private, producer, rewire_output
+from service.optimizer.passes._conv import conv_params, replace_weight_bias, scale_weight
+from service.optimizer.passes._match import is_private, matches, producer, rewire_output
 
 
 def fuse_bn_into_conv(graph: gs.Graph) -> int:
     rewrites = 0
-    taken: set[str] | None = None
-    for bn in list(graph.nodes):
-        match = _match(bn, graph)
-        if match is None:
-            continue
-        params, (scale, shift) = match
-        taken = taken if taken is not None else taken_names(graph)
+    for bn, (params, (scale, shift)), taken in matches(graph, _match):
         weight = scale_weight(params, scale)
         bias = params.bias.astype("float64") * scale + shift
         replace_weight_bias(params, weight, bias, graph, taken)
@@ -34,7 +28,7 @@ def fuse_bn_into_conv(graph: gs.Graph) -> int:
     return rewrites
 
 
-def _match(bn: gs.Node, graph: gs.Graph):
+def _match(graph: gs.Graph, bn: gs.Node):
     """(conv params, (scale, shift)) when ``bn`` can be folded into the conv that feeds it, else None."""
     if bn.op != "BatchNormalization" or not bn.inputs:
         return None

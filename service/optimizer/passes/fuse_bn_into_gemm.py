@@ -13,9 +13,16 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._bn import bn_affine
-from service.optimizer.passes._conv import DEFAULT_DOMAINS, taken_names
+from service.optimizer.passes._conv import DEFAULT_DOMAINS
 from service.optimizer.passes._gemm import ensure_matmul_ranks, matmul_weight, replace_with_gemm
-from service.optimizer.passes._match import FLOAT_DTYPES, constant_value, is_private, producer, unique_name
+from service.optimizer.passes._match import (
+    FLOAT_DTYPES,
+    constant_value,
+    is_private,
+    producer,
+    taken_names,
+    unique_name,
+)
 
 
 def fuse_bn_into_gemm(graph: gs.Graph) -> int:

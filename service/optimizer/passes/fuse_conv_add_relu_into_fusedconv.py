@@ -16,7 +16,10 @@ import onnx_graphsurgeon as gs
 from service.optimizer.passes._match import (
     DEFAULT_DOMAINS,
     constant_value,
+    detach,
+    is_live,
     is_private,
+    matches,
     producer,
     single_consumer,
     unique_name,
@@ -28,7 +31,6 @@ from service.optimizer.passes.fuse_conv_relu_into_fusedconv import (
     fusedconv_attrs,
     is_fusable_conv,
 )
-from service.optimizer.passes.fuse_hardsigmoid import detach, is_live, taken_names
 
 
 def fuse_conv_add_relu_into_fusedconv(graph: gs.Graph) -> int:
@@ -36,13 +38,7 @@ def fuse_conv_add_relu_into_fusedconv(graph: gs.Graph) -> int:
     if _has_unknown_residual_shapes(graph):
         ensure_types(graph)
     rewrites = 0
-    taken: set[str] | None = None
-    for relu in list(graph.nodes):
-        match = match_conv_add_relu(graph, relu)
-        if match is None:
-            continue
-        conv, add, residual = match
-        taken = taken if taken is not None else taken_names(graph)
+    for relu, (conv, add, residual), taken in matches(graph, match_conv_add_relu):
         output = relu.outputs[0]
         name = unique_name(graph, f"{conv.name or output.name}_fused", taken)
         x, weight = conv.inputs[0], conv.inputs[1]

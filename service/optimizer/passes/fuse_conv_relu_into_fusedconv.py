@@ -13,9 +13,17 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from service.optimizer.passes._match import DEFAULT_DOMAINS, constant_value, is_private, producer, unique_name
+from service.optimizer.passes._match import (
+    DEFAULT_DOMAINS,
+    constant_value,
+    detach,
+    is_live,
+    is_private,
+    matches,
+    producer,
+    unique_name,
+)
 from service.optimizer.passes._shapes import tensor_dtype
-from service.optimizer.passes.fuse_hardsigmoid import detach, is_live, taken_names
 
 MS_DOMAIN = "com.microsoft"
 MS_DOMAIN_VERSION = 1
@@ -26,12 +34,7 @@ _FLOAT32 = np.dtype(np.float32)
 def fuse_conv_relu_into_fusedconv(graph: gs.Graph) -> int:
     """Replace every private ``Conv -> Relu`` pair by one FusedConv. Returns the rewrite count."""
     rewrites = 0
-    taken: set[str] | None = None
-    for relu in list(graph.nodes):
-        conv = match_conv_relu(graph, relu)
-        if conv is None:
-            continue
-        taken = taken if taken is not None else taken_names(graph)
+    for relu, conv, taken in matches(graph, match_conv_relu):
         output = relu.outputs[0]
         name = unique_name(graph, f"{conv.name or output.name}_fused", taken)
         inputs = list(conv.inputs)

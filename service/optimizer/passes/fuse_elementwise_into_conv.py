@@ -21,24 +21,22 @@ from service.optimizer.passes._conv import (
     conv_params,
     replace_weight_bias,
     scale_weight,
-    taken_names,
 )
-from service.optimizer.passes._match import constant_value, is_private, other_input, producer, rewire_output
+from service.optimizer.passes._match import (
+    constant_value,
+    is_private,
+    matches,
+    other_input,
+    producer,
+    rewire_output,
+)
 
 _OPS = ("Add", "Sub", "Mul", "Div")
 
 
 def fuse_elementwise_into_conv(graph: gs.Graph) -> int:
     rewrites = 0
-    taken: set[str] | None = None
-    for node in list(graph.nodes):
-        if node.op not in _OPS or node.domain not in DEFAULT_DOMAINS or len(node.inputs) != 2:
-            continue
-        match = _match(node, graph)
-        if match is None:
-            continue
-        params, per_channel = match
-        taken = taken if taken is not None else taken_names(graph)
+    for node, (params, per_channel), taken in matches(graph, _match):
         weight, bias = _fold(node.op, params, per_channel)
         replace_weight_bias(params, weight, bias, graph, taken)
         rewire_output(params.node, 0, node.outputs[0])
@@ -47,8 +45,10 @@ def fuse_elementwise_into_conv(graph: gs.Graph) -> int:
     return rewrites
 
 
-def _match(node: gs.Node, graph: gs.Graph) -> tuple[ConvParams, np.ndarray] | None:
+def _match(graph: gs.Graph, node: gs.Node) -> tuple[ConvParams, np.ndarray] | None:
     """(conv params, per-output-channel float64 vector) when ``node`` folds into the conv before it."""
+    if node.op not in _OPS or node.domain not in DEFAULT_DOMAINS or len(node.inputs) != 2:
+        return None
     for position, tensor in enumerate(node.inputs):
         conv = producer(tensor)
         if conv is None or conv.op != "Conv" or not is_private(graph, tensor, node):

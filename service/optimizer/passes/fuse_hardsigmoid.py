@@ -36,9 +36,13 @@ import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._match import (
     DEFAULT_DOMAINS,
+    base_name,
     broadcast_keeps_shape,
     constant_value,
+    detach,
     is_graph_output,
+    is_live,
+    matches,
     producer,
     scalar_close,
     single_consumer,
@@ -97,12 +101,7 @@ def fuse_hardsigmoid(graph: gs.Graph) -> int:
     """Replace every decomposed hard-sigmoid by one ``HardSigmoid`` node. Returns the rewrite count."""
     fill_missing_types(graph)
     rewrites = 0
-    taken: set[str] | None = None
-    for node in list(graph.nodes):
-        match = match_hardsigmoid(graph, node)
-        if match is None:
-            continue
-        taken = taken if taken is not None else taken_names(graph)
+    for node, match, taken in matches(graph, match_hardsigmoid):
         name = unique_name(graph, f"{base_name(node)}_hardsigmoid", taken)
         detach(match.nodes)
         make_hardsigmoid(graph, match.x, match.output, name, match.alpha, match.beta)
@@ -182,13 +181,6 @@ def is_pytorch_hardsigmoid(node: gs.Node) -> bool:
     alpha = node.attrs.get("alpha", ONNX_DEFAULT_HARDSIGMOID_ALPHA)
     beta = node.attrs.get("beta", HARDSIGMOID_BETA)
     return scalar_close(alpha, 1.0 / 6.0, rel=1e-6) and scalar_close(beta, HARDSIGMOID_BETA, rel=1e-6)
-
-
-def detach(nodes: tuple[gs.Node, ...] | list[gs.Node]) -> None:
-    """Disconnect matched nodes so that nothing counts them as consumers; cleanup() drops them."""
-    for node in nodes:
-        node.inputs.clear()
-        node.outputs.clear()
 
 
 def fill_missing_types(graph: gs.Graph) -> None:
@@ -424,13 +416,3 @@ def internals_private(graph: gs.Graph, steps: tuple[Step, ...], output: gs.Tenso
     return True
 
 
-def is_live(node: gs.Node) -> bool:
-    return bool(node.outputs)
-
-
-def taken_names(graph: gs.Graph) -> set[str]:
-    return set(graph.tensors().keys()) | {n.name for n in graph.nodes}
-
-
-def base_name(node: gs.Node) -> str:
-    return node.name or node.outputs[0].name

@@ -19,20 +19,25 @@ import dataclasses
 
 import onnx_graphsurgeon as gs
 
-from service.optimizer.passes._match import DEFAULT_DOMAINS, is_private, producer, unique_name
+from service.optimizer.passes._match import (
+    DEFAULT_DOMAINS,
+    base_name,
+    detach,
+    is_live,
+    is_private,
+    matches,
+    producer,
+    unique_name,
+)
 from service.optimizer.passes.fuse_hardsigmoid import (
     Step,
     affine_step,
-    base_name,
     compose,
     constants_keep_shape,
-    detach,
     fill_missing_types,
     internals_private,
-    is_live,
     make_hardsigmoid,
     match_scaled_hardsigmoid,
-    taken_names,
 )
 
 HARDSWISH_OPSET = 14
@@ -54,12 +59,7 @@ def fuse_hardswish(graph: gs.Graph) -> int:
     fill_missing_types(graph)
     native = graph.opset >= HARDSWISH_OPSET
     rewrites = 0
-    taken: set[str] | None = None
-    for node in list(graph.nodes):
-        match = match_hardswish(graph, node)
-        if match is None:
-            continue
-        taken = taken if taken is not None else taken_names(graph)
+    for node, match, taken in matches(graph, match_hardswish):
         base = base_name(node)
         detach(match.nodes)
         if native:

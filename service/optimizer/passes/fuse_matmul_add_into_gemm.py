@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from service.optimizer.passes._conv import DEFAULT_DOMAINS, taken_names
+from service.optimizer.passes._conv import DEFAULT_DOMAINS
 from service.optimizer.passes._gemm import ensure_matmul_ranks, matmul_weight, replace_with_gemm
-from service.optimizer.passes._match import constant_value, is_private, other_input, producer
+from service.optimizer.passes._match import constant_value, is_private, other_input, producer, taken_names
 
 
 def fuse_matmul_add_into_gemm(graph: gs.Graph) -> int:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from service.optimizer.passes._match import DEFAULT_DOMAINS, is_private, producer, unique_name
-from service.optimizer.passes.fuse_hardsigmoid import (
+from service.optimizer.passes._match import (
+    DEFAULT_DOMAINS,
     base_name,
     detach,
     is_live,
-    is_pytorch_hardsigmoid,
-    taken_names,
+    is_private,
+    matches,
+    producer,
+    unique_name,
 )
+from service.optimizer.passes.fuse_hardsigmoid import is_pytorch_hardsigmoid
 from service.optimizer.passes.fuse_hardswish import HARDSWISH_OPSET, HardSwishMatch, make_hardswish
 
 
@@ -26,12 +29,7 @@ def fuse_mul_hardsigmoid_into_hardswish(graph: gs.Graph) -> int:
     if graph.opset < HARDSWISH_OPSET:
         return 0
     rewrites = 0
-    taken: set[str] | None = None
-    for node in list(graph.nodes):
-        match = match_mul_hardsigmoid(graph, node)
-        if match is None:
-            continue
-        taken = taken if taken is not None else taken_names(graph)
+    for node, match, taken in matches(graph, match_mul_hardsigmoid):
         name = unique_name(graph, f"{base_name(node)}_hardswish", taken)
         detach(match.nodes)
         make_hardswish(graph, match.x, match.output, name)
