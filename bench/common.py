@@ -223,3 +223,22 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *, ti
     if title:
         print(f"\n{title}")
     print(format_table(rows, columns, titles=titles, digits=digits), flush=True)
+
+
+def capture_cuda_graph(model: Any, x: Any) -> tuple[Any, Any, Any]:
+    """Manual torch.cuda.CUDAGraph capture of ``model(x)`` (warm-up on a side stream first, as PyTorch's
+    docs do). Returns ``(graph, static_x, static_y)``: ``graph.replay()`` reads ``static_x`` and writes
+    ``static_y``, so keep all three alive while replaying. torch is imported here, not at module level."""
+    import torch
+
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = model(static_x)
+    return graph, static_x, static_y

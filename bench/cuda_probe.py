@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS_DIR, header, print_table, today, write_result  # noqa: E402
+from bench.common import RESULTS_DIR, capture_cuda_graph, header, print_table, today, write_result  # noqa: E402
 
 FP32_TOL, FP16_TOL, SAME_INPUT_TOL = 2e-2, 5e-2, 1e-3
 REF_ROWS = 4  # rows of the big batch compared with the CPU reference (rows are independent)
@@ -238,16 +238,7 @@ def torch_warmup(p: Probe, *, half: bool) -> None:
     with torch.no_grad():
         eager = net(x).float()
         p.step("torch CUDAGraph capture + replay")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                net(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        static_x = x.clone()
-        with torch.cuda.graph(graph):
-            static_y = net(static_x)
+        graph, static_x, static_y = capture_cuda_graph(net, x)
         for _ in range(10):
             graph.replay()
         torch.cuda.synchronize()

@@ -67,7 +67,15 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS_DIR, header, median, percentile, print_table, write_result  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    capture_cuda_graph,
+    header,
+    median,
+    percentile,
+    print_table,
+    write_result,
+)
 
 MODELS = ("mnv3_2019", "resnet50", "mnv3_native")  # most important first: a deadline drops the tail
 ENGINES = ("torch_eager", "torch_cudagraph", "torch_compile", "ort_default", "ours_fp32", "ours_fp32_hostio",
@@ -301,19 +309,8 @@ def torch_runners(model: Any, name: str, batch: int, image: int, cuda: bool) -> 
 
 
 def captured_graph(model: Any, x: Any) -> Callable[[], None]:
-    """Manual CUDA-graph capture (warm-up on a side stream first, as PyTorch's docs do); returns the replay."""
-    import torch
-
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = model(static_x)
+    """Manual CUDA-graph capture (``bench.common.capture_cuda_graph``); returns the replay."""
+    graph, static_x, static_y = capture_cuda_graph(model, x)
     keep = (static_x, static_y)  # the graph reads and writes these addresses
 
     def replay() -> None:
