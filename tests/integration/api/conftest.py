@@ -16,9 +16,7 @@ import inprocess
 import numpy as np
 import pytest
 from builders import tiny_cnn
-from inprocess import AUTH, OCTET, TOKEN, serve_app
-
-from service.settings import ServiceSettings
+from inprocess import AUTH, OCTET, TOKEN, make_settings, serve_app
 
 __all__ = ["AUTH", "OCTET", "TOKEN", "make_settings", "reference", "sample", "serve_app", "tiny_cnn", "upload"]
 
@@ -30,21 +28,6 @@ def reference(model_bytes: bytes, x: np.ndarray) -> dict[str, np.ndarray]:
 
 def sample(batch: int = 1, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(batch, 3, 8, 8)).astype(np.float32)
-
-
-def make_settings(tmp_path: Path, **overrides: object) -> ServiceSettings:
-    values: dict[str, object] = {
-        "model_dir": tmp_path / "models",
-        "admin_token": TOKEN,
-        "demo_model": False,
-        "max_upload_mb": 2,
-        "max_request_mb": 1,
-        "engine": {"buckets": (1, 2, 4, 8), "autotune": False},
-        "batching": {"max_batch_size": 8, "max_delay_ms": 1.0},
-        "optimizer": {"timeout_s": 60},
-    }
-    values.update(overrides)
-    return ServiceSettings(**values)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
