@@ -180,14 +180,6 @@ class OptimizerRunner:
             _kill(proc)
 
 
-async def optimize_in_child(
-    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, timeout_s: float, memory_limit_mb: int
-) -> OptimizeOutcome:
-    """One-shot convenience around ``OptimizerRunner``."""
-    runner = OptimizerRunner(timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
-    return await runner.run(source, out_dir, fused_conv=fused_conv, verify=verify)
-
-
 # ---------------------------------------------------------------------- parent side helpers
 
 

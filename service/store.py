@@ -40,7 +40,6 @@ from service.validation import validate_model_name
 log = logging.getLogger(__name__)
 
 ORIGINAL = "original.onnx"
-OPTIMIZED = "optimized.onnx"
 METADATA = "metadata.json"
 STAGING = ".staging"
 _LAST_VERSION = ".last-version"

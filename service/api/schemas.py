@@ -113,9 +113,6 @@ class ServerMetadata(BaseModel):
 
 
 BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, InferRequest)
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
-    ErrorBody, PredictResponse, InferResponse, ModelMetadata, ServerMetadata,
-)
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -49,10 +49,6 @@ class OptimizerConfig:
     max_iterations: int = 8
     seed: int = 0
 
-    def cache_fields(self) -> dict[str, object]:
-        """The settings that change the optimized graph (part of the store's cache key)."""
-        return {"fused_conv": self.fused_conv, "optimizer_version": OPTIMIZER_VERSION}
-
 
 def optimize(
     model: onnx.ModelProto, config: OptimizerConfig | None = None

@@ -40,18 +40,9 @@ _CONSTANT_NODE_ATTRS = {
 }
 
 
-def is_onnx_op(node: gs.Node | None, *ops: str) -> bool:
-    """True when ``node`` is one of the standard-domain ``ops`` (not a custom op of the same name)."""
-    return node is not None and node.op in ops and node.domain in DEFAULT_DOMAINS
-
-
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     """The node that writes ``tensor`` (None for graph inputs and initializers)."""
     return tensor.inputs[0] if len(tensor.inputs) == 1 else None
-
-
-def consumers(tensor: gs.Tensor) -> list[gs.Node]:
-    return list(tensor.outputs)
 
 
 def single_consumer(tensor: gs.Tensor) -> gs.Node | None:
@@ -62,11 +53,6 @@ def single_consumer(tensor: gs.Tensor) -> gs.Node | None:
     """
     readers = {id(node): node for node in tensor.outputs}
     return next(iter(readers.values())) if len(readers) == 1 else None
-
-
-def has_other_consumers(tensor: gs.Tensor, node: gs.Node) -> bool:
-    """True when some node other than ``node`` reads ``tensor``."""
-    return any(reader is not node for reader in tensor.outputs)
 
 
 def is_graph_output(graph: gs.Graph, tensor: gs.Tensor) -> bool:
@@ -120,10 +106,6 @@ def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
     return constant_node_value(node)
 
 
-def is_constant(tensor: gs.Tensor | None) -> bool:
-    return constant_value(tensor) is not None
-
-
 def scalar_close(value: np.ndarray | float | None, expected: float, rel: float = 1e-6) -> bool:
     """True when ``value`` holds exactly one number (any rank: 0-d, [1], [1, 1, 1]) equal to ``expected``.
 
@@ -140,14 +122,6 @@ def scalar_close(value: np.ndarray | float | None, expected: float, rel: float =
     if not math.isfinite(actual):
         return False
     return abs(actual - expected) <= rel * max(1.0, abs(expected))
-
-
-def scalar_value(tensor: gs.Tensor | None) -> float | None:
-    """The single number held by a constant tensor of size 1, else None."""
-    value = constant_value(tensor)
-    if value is None or value.size != 1 or value.dtype.kind not in "fiub":
-        return None
-    return float(value.reshape(()))
 
 
 def broadcast_keeps_shape(constant_shape: tuple[int, ...], tensor_shape: tuple | None) -> bool:
