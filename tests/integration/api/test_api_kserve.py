@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from conftest import reference, sample
+from api_kit import reference, sample
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import AUTH, OCTET, TOKEN, make_settings, reference, sample, serve_app, tiny_cnn, upload
+from api_kit import AUTH, OCTET, TOKEN, make_settings, reference, sample, serve_app, tiny_cnn, upload
 
 pytestmark = pytest.mark.anyio
 

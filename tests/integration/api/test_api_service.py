@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from conftest import make_settings, sample, upload
+from api_kit import make_settings, sample, upload
 
 from service.api.app import create_app
 from service.errors import EngineError, QueueFullError, RequestTimeoutError, ShuttingDownError
