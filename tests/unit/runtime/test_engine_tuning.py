@@ -15,6 +15,7 @@ from onnx import TensorProto
 
 from service.runtime import autotune
 from service.runtime.autotune import Config, select_variant
+from service.runtime.child import ChildProcessFailed
 from service.runtime.engine import Engine
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.providers import cuda_status
@@ -150,3 +151,40 @@ def test_select_variant_rejects_bad_arguments(candidates: dict[str, onnx.ModelPr
         select_variant({}, CPU)
     with pytest.raises(ValueError, match="precision"):
         select_variant(candidates, CPU, precision="int8")
+
+
+def test_a_configuration_that_crashes_costs_only_its_own_timing(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each configuration is timed in its own child; one whose child dies is skipped with the reason."""
+    real = autotune.run_in_child
+
+    def crash_fp16(fn, args, *, timeout_s):
+        if args[2]["precision"] == "fp16":
+            raise ChildProcessFailed("the child process died (exit code -11)")
+        return real(fn, args, timeout_s=timeout_s)
+
+    monkeypatch.setattr(autotune, "run_in_child", crash_fp16)
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "auto")
+    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
+    engine.close()
+    assert record["skipped"] == {"plain/nchw/fp16": "ChildProcessFailed: the child process died (exit code -11)"}
+    assert set(record["timings_ms"]) == {c.key for c in configs if c.precision == "fp32"}
+    assert Config(**record["choice"]).precision == "fp32"
+
+
+def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def always_crash(fn, args, *, timeout_s):
+        raise ChildProcessFailed("timed out after 1 s")
+
+    monkeypatch.setattr(autotune, "run_in_child", always_crash)
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp16")
+    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
+    try:
+        assert record["choice"] == {"variant": "plain", "prefer_nhwc": False, "precision": "fp32"}
+        assert "no configuration could be timed" in record["reason"]
+        assert engine.describe()["precision"] == "fp32"
+    finally:
+        engine.close()
