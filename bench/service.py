@@ -222,8 +222,8 @@ async def _load(url: str, payload: Payload, workers: int, window_start: float, w
     Window bounds are ``time.monotonic()`` values, the same clock in every process.
 
     The client is aiohttp: with 600 KB bodies, httpx's asyncio client managed about 700 requests/s per
-    process against a bare asyncio server on this project's CPU machine, aiohttp about 2,600; with httpx
-    the load generator, not the server, set the GPU figures of 2026-11-30's first run."""
+    process against a bare asyncio server on this project's CPU machine, aiohttp about 2,600 (ad hoc, one
+    4-second run each), so the load generator needs fewer cores for the same load."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=workers, force_close=False)

@@ -12,7 +12,7 @@ How:
   once: 6/8/8/10 over 4 workers, ad hoc check on the CPU machine). The first version shared one
   listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up
   to 100 per wake-up), an ad hoc check gave 13/10/8/1, and on the H200 4 workers served no more than 1
-  (bench/results/service-2026-11-30-cuda.json).
+  (bench/results/service-2026-11-30-cuda.json; that this was the cause is likely, not verified there).
 * Worker 0 starts first, alone. It cleans the store, installs the demo model, optimizes stale versions
   again, and records each version's engine choice, so the tuner runs once. The other workers start once
   worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
