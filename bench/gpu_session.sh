@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests`. Everything lands
+# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests|bisect|floor|census`. Everything lands
 # in $OUT (logs and JSON), which the lead copies into bench/results/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -28,6 +28,10 @@ fi
 if [ "$part" = bisect ]; then
   timeout "${BISECT_TIMEOUT_S:-200}" python3 bench/cuda_bisect.py --timeout-s 45 --max-tries 9 \
     --out "$OUT/cuda-bisect.json" 2>&1 | tee "$OUT/bisect.log" | tail -30
+fi
+if [ "$part" = floor ]; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
+  timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 \
+    --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
 fi
 if [ "$part" = census ]; then
   timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py --out "$OUT/kernel-census.json" 2>&1 \

@@ -9,7 +9,11 @@ latency is HTTP + decoding + batcher + engine call + response, and the engine's 
 alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
 ``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
 the same size; ``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is
-installed). The variants alternate in rounds so that all see the same minutes of a shared host.
+installed); ``floor_raw`` is no framework at all (an asyncio BufferedProtocol answering from its receive
+buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
+``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
+glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request. The variants
+alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
 An earlier version compared uvicorn's body buffer at 64 KiB and 8 MiB (a setting that then existed):
@@ -46,7 +50,9 @@ from bench.service import (  # noqa: E402
 )
 
 TOKEN = "bench-http-overhead-token-0123456789"
-VARIANTS = ("service", "floor", "floor_granian")
+VARIANTS = ("service", "service_heap_default", "floor", "floor_heap_kept", "floor_raw", "floor_granian")
+# glibc thresholds equal to what SERVICE_HEAP_KEEP_MB=256 sets with mallopt (service/heap.py)
+HEAP_KEPT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 FLOOR_APP = """
 import uvicorn
 
@@ -74,20 +80,88 @@ if __name__ == "__main__":
 """
 
 
+RAW_APP = """
+# No HTTP framework at all: an asyncio BufferedProtocol that receives each request straight into one
+# buffer, finds Content-Length, copies the body out once and answers. Keep-alive only, no error paths:
+# a yardstick for what any Python HTTP layer could reach on this host, not a server.
+import asyncio, sys
+
+BODY = b"{}" + bytes(12)
+REPLY = (b"HTTP/1.1 200 OK\\r\\ncontent-type: application/octet-stream\\r\\ninference-header-content-length: 2\\r\\n"
+         b"content-length: %d\\r\\n\\r\\n" % len(BODY)) + BODY
+
+
+class Raw(asyncio.BufferedProtocol):
+    def connection_made(self, transport):
+        self.transport, self.buf, self.filled = transport, bytearray(4 << 20), 0
+        self.view = memoryview(self.buf)
+
+    def get_buffer(self, sizehint):
+        return self.view[self.filled:]
+
+    def buffer_updated(self, nbytes):
+        self.filled += nbytes
+        end = self.buf.find(b"\\r\\n\\r\\n", 0, self.filled)
+        if end < 0:
+            return
+        head = bytes(self.buf[:end]).lower()
+        at = head.find(b"content-length:")
+        stop = head.find(b"\\r\\n", at)
+        total = end + 4 + (0 if at < 0 else int(head[at + 15 : stop if stop > 0 else None]))
+        if self.filled >= total:
+            body = bytes(self.view[end + 4:total])  # the one copy a handler would need
+            self.transport.write(REPLY)
+            self.buf[: self.filled - total] = self.buf[total:self.filled]
+            self.filled -= total
+
+
+async def main():
+    server = await asyncio.get_running_loop().create_server(Raw, "127.0.0.1", int(sys.argv[2]))
+    await server.serve_forever()
+
+
+try:
+    import uvloop
+    uvloop.run(main())
+except ImportError:
+    asyncio.run(main())
+"""
+
+
 UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
 
 
 def variant_server(name: str, work: Path, index: int) -> Server:
+    if name == "floor_raw":
+        script = work / "raw_app.py"
+        script.write_text(RAW_APP)
+        return Server(name, [sys.executable, str(script)], dict(os.environ), "/", work / f"{name}.log")
     if name.startswith("floor"):
         script = work / "floor_app.py"
         script.write_text(FLOOR_APP)
         command = [sys.executable, str(script)]
         if name == "floor_granian":  # the same app on granian, a Rust HTTP server (pip install granian)
-            command = [sys.executable, "-m", "granian", "--interface", "asgi", "--workers", "1", "--no-ws",
-                       "--log-level", "warning", "--working-dir", str(work), "floor_app:app"]
-        return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
+            command = [
+                sys.executable,
+                "-m",
+                "granian",
+                "--interface",
+                "asgi",
+                "--workers",
+                "1",
+                "--no-ws",
+                "--log-level",
+                "warning",
+                "--working-dir",
+                str(work),
+                "floor_app:app",
+            ]
+        env = {**os.environ, **(HEAP_KEPT_ENV if name == "floor_heap_kept" else {})}
+        return Server(name, command, env, "/", work / f"{name}.log")
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
-    return service_server("service", work / "models", "cpu", work, **env)
+    if name == "service_heap_default":
+        env["SERVICE_HEAP_KEEP_MB"] = "0"
+    return service_server(name, work / "models", "cpu", work, **env)
 
 
 def light_model() -> onnx.ModelProto:
@@ -115,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/http-overhead-<date>.json)")
     args = parser.parse_args(argv)
     head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi"))
     model = light_model()
@@ -122,31 +197,53 @@ def main(argv: list[str] | None = None) -> int:
     payload = binary_payload("light", "input", "output", sample, 3)
     variants = [v for v in VARIANTS if v != "floor_granian" or importlib.util.find_spec("granian")]
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    uploaded = False
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         work = Path(tmp)
         for index in range(args.rounds):
             names = variants if index % 2 == 0 else variants[::-1]
             for name in names:
                 with running(variant_server(name, work, index), 120) as server:
-                    if name == "service" and index == 0:  # the store keeps it for later rounds
-                        r = httpx.post(f"{server.url}/v1/models/light", content=model.SerializeToString(),
-                                       headers=UPLOAD_HEADERS, timeout=120)
+                    if name.startswith("service") and not uploaded:  # the store keeps it for later rounds
+                        uploaded = True
+                        r = httpx.post(
+                            f"{server.url}/v1/models/light",
+                            content=model.SerializeToString(),
+                            headers=UPLOAD_HEADERS,
+                            timeout=120,
+                        )
                         r.raise_for_status()
                     times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
                 samples[name].append(statistics.median(times))
                 print(f"round {index + 1}: {name:15s} p50 {samples[name][-1]:.3f} ms", flush=True)
     engine = engine_ms(model)
-    rows = [{"variant": name, "p50_ms_median_of_rounds": statistics.median(values),
-             "overhead_ms": statistics.median(values) - engine, "round_p50s": [round(v, 3) for v in values]}
-            for name, values in samples.items()]
-    document = {"model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input), CPU provider",
-                "engine_run_ms_b1": engine, "rounds": args.rounds, "requests_per_round": args.requests,
-                "client": "http.client, one request at a time, kept-alive connection", "rows": rows,
-                "service_minus_floor_ms": rows[0]["p50_ms_median_of_rounds"] - rows[1]["p50_ms_median_of_rounds"]}
-    path = common.write_result("http-overhead", document, head=head,
-                               path=common.RESULTS_DIR / f"http-overhead-{head['date']}.json")
-    common.print_table(rows, ["variant", "p50_ms_median_of_rounds", "overhead_ms"],
-                       title=f"one binary request (engine alone: {engine:.3f} ms)", digits=3)
+    rows = [
+        {
+            "variant": name,
+            "p50_ms_median_of_rounds": statistics.median(values),
+            "overhead_ms": statistics.median(values) - engine,
+            "round_p50s": [round(v, 3) for v in values],
+        }
+        for name, values in samples.items()
+    ]
+    document = {
+        "model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input), CPU provider",
+        "engine_run_ms_b1": engine,
+        "rounds": args.rounds,
+        "requests_per_round": args.requests,
+        "client": "http.client, one request at a time, kept-alive connection",
+        "rows": rows,
+        "service_minus_floor_ms": rows[0]["p50_ms_median_of_rounds"] - rows[1]["p50_ms_median_of_rounds"],
+    }
+    path = common.write_result(
+        "http-overhead", document, head=head, path=args.out or common.RESULTS_DIR / f"http-overhead-{head['date']}.json"
+    )
+    common.print_table(
+        rows,
+        ["variant", "p50_ms_median_of_rounds", "overhead_ms"],
+        title=f"one binary request (engine alone: {engine:.3f} ms)",
+        digits=3,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -60,7 +60,12 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 
 DEMO_MODEL = "mobilenet_v3_large"
-SERIES_OF = {"naive": ("json",), "service_workers": ("binary",), "service_gil5": ("binary",)}
+SERIES_OF = {
+    "naive": ("json",),
+    "service_workers": ("binary",),
+    "service_gil5": ("binary",),
+    "service_heap_default": ("binary",),
+}
 """Series per server where not both: the naive server speaks only JSON; the variants are about binary."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
@@ -560,7 +565,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--servers",
         default="service,service_nobatch,naive",
         help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
-        "service_gil5 (Python's default 5 ms GIL switch interval)",
+        "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
+        "glibc's own heap thresholds)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
@@ -643,6 +649,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         ),
         "service_gil5": lambda: service_server(
             "service_gil5", model_dir, device, logs, SERVICE_GIL_SWITCH_INTERVAL_MS="5"
+        ),
+        "service_heap_default": lambda: service_server(
+            "service_heap_default", model_dir, device, logs, SERVICE_HEAP_KEEP_MB="0"
         ),
         "naive": lambda: naive_server(original, device, logs),
     }

@@ -116,6 +116,14 @@ class ServiceSettings(BaseSettings):
         description="Python's thread switch interval in the server (sys.setswitchinterval). Engine threads "
         "wait up to this long for the GIL while the event loop is busy; Python's default is 5 ms.",
     )
+    heap_keep_mb: int = Field(
+        256,
+        ge=0,
+        le=65536,
+        description="glibc only: freed memory (MiB) the server keeps for reuse, and blocks up to 32 MiB "
+        "taken from the heap, so a request's large buffers are not faulted in afresh each time "
+        "(0: glibc's defaults).",
+    )
     precision: Literal["fp32", "fp16", "auto"] = Field(
         "fp32", description="Default precision for new models (auto: the CUDA tuner may pick fp16)."
     )

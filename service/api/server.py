@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from service.heap import keep_freed_memory
 from service.settings import ServiceSettings
 
 from .app import create_app
@@ -68,9 +69,10 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
 
 
 def configure_process(settings: ServiceSettings) -> None:
-    """Logging and the GIL switch interval of a server process."""
+    """Logging, the GIL switch interval and the heap thresholds of a server process."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
+    keep_freed_memory(settings.heap_keep_mb)
 
 
 def serve(settings: ServiceSettings) -> int:

@@ -606,7 +606,7 @@ class Engine:
             "prefer_nhwc": self._prefer_nhwc,
             "cudnn_conv_algo_search": self._settings.cudnn_conv_algo_search if self._choice.is_cuda else None,
             "graph_optimization_level": "ORT_ENABLE_ALL",
-            "intra_op_threads": self._settings.intra_op_threads if not self._choice.is_cuda else None,
+            "intra_op_threads": 1 if self._choice.is_cuda else self._settings.intra_op_threads or None,
             "nodes": self._nodes,
             "ops": self._ops,
             "inputs": [spec.to_dict() for spec in self.inputs],
@@ -741,9 +741,15 @@ def _cpu_session(data: bytes, settings: EngineSettings) -> ort.InferenceSession:
 
 def _cuda_session(data: bytes, settings: EngineSettings, nhwc: bool, *, graph: bool) -> ort.InferenceSession:
     provider = (CUDA, cuda_provider_options(settings, prefer_nhwc=nhwc, cuda_graph=graph))
+    options = _session_options(quiet=graph)
+    # The CUDA EP launches kernels from the calling thread; ORT's CPU thread pool (one spinning thread per
+    # core by default, per session) would only serve nodes left on the CPU and burn the cores that the
+    # event loops and other workers need.
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     _CUDA_LOCK.acquire_shared()
     try:  # a graph session that ORT refuses is logged by us (as a fallback), not by ORT
-        session = ort.InferenceSession(data, _session_options(quiet=graph), providers=[provider, CPU])
+        session = ort.InferenceSession(data, options, providers=[provider, CPU])
     finally:
         _CUDA_LOCK.release_shared()
     if session.get_providers()[0] != CUDA:
