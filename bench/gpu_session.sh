@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests|bisect|floor|census`. Everything lands
+# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests|bisect|floor|sharing|census`. Everything lands
 # in $OUT (logs and JSON), which the lead copies into bench/results/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -32,6 +32,10 @@ fi
 if [ "$part" = floor ]; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
   timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 \
     --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
+fi
+if [ "$part" = sharing ]; then  # N processes on one GPU; b64 variants without CUDA graphs
+  timeout "${SHARING_TIMEOUT_S:-540}" python3 bench/gpu_sharing.py --out "$OUT/gpu-sharing.json" 2>&1 \
+    | tee "$OUT/sharing.log" | tail -30
 fi
 if [ "$part" = census ]; then
   timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py --out "$OUT/kernel-census.json" 2>&1 \
