@@ -34,7 +34,8 @@ if [ "$part" = floor ]; then  # the HTTP stack's own cost on this host (CPU prov
     --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
 fi
 if [ "$part" = sharing ]; then  # N processes on one GPU; b64 variants without CUDA graphs
-  timeout "${SHARING_TIMEOUT_S:-540}" python3 bench/gpu_sharing.py --out "$OUT/gpu-sharing.json" 2>&1 \
+  timeout "${SHARING_TIMEOUT_S:-540}" python3 bench/gpu_sharing.py --parts "${SHARING_PARTS:-sharing,b64}" \
+    --sharing-plan "${SHARING_PLAN:-1@0,2@0,4@0,1@1,4@1}" --out "$OUT/gpu-sharing.json" 2>&1 \
     | tee "$OUT/sharing.log" | tail -30
 fi
 if [ "$part" = census ]; then

@@ -7,7 +7,8 @@
    NHWC, fp32, CUDA graph, bucket 8, as the tuner picks it) and replay ``run_bound(8)`` back to back for
    the same wall-clock window. Reported: the aggregate images/s and its ratio to one process. Without
    MPS each process has its own CUDA context and the GPU time-slices between contexts, so the aggregate
-   may not grow with N.
+   may not grow with N. With ``gap_ms`` each process pauses between calls, as a server does between
+   batches: the per-call latency then shows what switching between contexts costs each call.
 2. **Large batches without CUDA graphs** (``b64``): at batch 64 torch.compile beat us (MNV3 2.26 against
    3.12 ms, ResNet-50 5.00 against 5.43 fp16; bench/results/engine-2026-11-30-h200.json), and fp16
    MobileNetV3 cannot be served with CUDA graphs (ORT 1.31.1 replay crash, bench/results/
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,16 +74,22 @@ def load_engine(path: Path, buckets: tuple[int, ...], nhwc: bool, graph: bool) -
     return Engine.load(path.read_bytes(), settings)
 
 
-def child_sharing(path: Path, start_at: float, seconds: float) -> dict[str, Any]:
+def child_sharing(path: Path, start_at: float, seconds: float, gap_ms: float) -> dict[str, Any]:
+    """Replay bucket 8 until the window ends, pausing ``gap_ms`` between calls (a server's idle gaps)."""
     engine = load_engine(path, (8,), nhwc=True, graph=True)
     engine.time_batch(8, runs=20, max_s=1.0)
     while time.time() < start_at:
         time.sleep(0.001)
-    runs, ends = 0, time.time() + seconds
+    calls: list[float] = []
+    ends = time.time() + seconds
     while time.time() < ends:
+        started = time.perf_counter()
         engine.run_bound(8)
-        runs += 1
-    return {"runs": runs, "images_per_s": runs * 8 / seconds, "late_start": time.time() - ends > 1.0}
+        calls.append((time.perf_counter() - started) * 1e3)
+        if gap_ms:
+            time.sleep(gap_ms / 1e3)
+    return {"runs": len(calls), "images_per_s": len(calls) * 8 / seconds,
+            "call_p50_ms": statistics.median(calls), "call_p90_ms": statistics.quantiles(calls, n=10)[-1]}
 
 
 def child_variant(path: Path, nhwc: bool, graph: bool) -> dict[str, Any]:
@@ -108,18 +116,23 @@ def collect(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     return {"error": f"exit {proc.returncode}", "tail": out[-800:]}
 
 
-def sharing_rows(paths: dict[str, Path], seconds: float) -> list[dict[str, Any]]:
-    rows, single = [], None
-    for n in (1, 2, 4):
-        start_at = time.time() + 45.0  # every child has loaded and warmed its engine by then
-        procs = [spawn(["sharing", str(paths["mobilenet_v3_large-fp32"]), start_at, seconds]) for _ in range(n)]
-        results = [collect(p, 45.0 + seconds + 60.0) for p in procs]
+def sharing_rows(paths: dict[str, Path], seconds: float, plan: list[tuple[int, float]]) -> list[dict[str, Any]]:
+    rows, single = [], {}
+    for n, gap_ms in plan:
+        start_at = time.time() + 35.0  # every child has loaded and warmed its engine by then
+        model = str(paths["mobilenet_v3_large-fp32"])
+        procs = [spawn(["sharing", model, start_at, seconds, gap_ms]) for _ in range(n)]
+        results = [collect(p, 35.0 + seconds + 60.0) for p in procs]
         ok = [r for r in results if "images_per_s" in r]
         total = sum(r["images_per_s"] for r in ok) if len(ok) == n else None
-        single = total if n == 1 else single
-        rows.append({"processes": n, "images_per_s": total, "vs_one_process": total / single if total and single
-                     else None, "per_process": [r.get("images_per_s", r.get("error")) for r in results]})
-        print(f"sharing: {n} process(es): {total} images/s", flush=True)
+        if n == 1:
+            single[gap_ms] = total
+        base = single.get(gap_ms)
+        rows.append({"processes": n, "gap_ms": gap_ms, "images_per_s": total,
+                     "vs_one_process": total / base if total and base else None,
+                     "call_p50_ms": statistics.median(r["call_p50_ms"] for r in ok) if ok else None,
+                     "per_process": [r.get("images_per_s", r.get("error")) for r in results]})
+        print(f"sharing: {rows[-1]}", flush=True)
     return rows
 
 
@@ -136,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="measured window of the sharing test")
     parser.add_argument("--parts", default="sharing,b64")
+    parser.add_argument("--sharing-plan", default="1@0,2@0,4@0,1@1,4@1",
+                        help="PROCESSES@GAP_MS,...: processes at once, pause between a process's calls")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -149,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-sharing-") as tmp:
         paths = prepare(Path(tmp))
         if "sharing" in args.parts:
-            document["sharing"] = sharing_rows(paths, args.seconds)
-            common.print_table(document["sharing"], ["processes", "images_per_s", "vs_one_process"],
+            plan = [(int(n), float(g)) for n, g in (item.split("@") for item in args.sharing_plan.split(","))]
+            document["sharing"] = sharing_rows(paths, args.seconds, plan)
+            common.print_table(document["sharing"],
+                               ["processes", "gap_ms", "images_per_s", "vs_one_process", "call_p50_ms"],
                                title="processes replaying bucket 8 at once (MNV3 fp32 NHWC, CUDA graph)")
         if "b64" in args.parts:
             document["variants"] = variant_rows(paths)
