@@ -37,7 +37,12 @@ def today() -> str:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """HEAD's commit hash, with ``-dirty`` when tracked files differ; ``unknown`` outside git."""
+    """HEAD's commit hash, with ``-dirty`` when tracked files differ; ``unknown`` outside git.
+
+    ``GIT_COMMIT`` in the environment wins: a run from an exported snapshot (the GPU machine) names the
+    commit it was exported from, since git there would find an unrelated checkout around it."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     cwd = repo or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
