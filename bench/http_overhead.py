@@ -9,8 +9,8 @@ latency is HTTP + decoding + batcher + engine call + response, and the engine's 
 alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
 ``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
 the same size; ``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is
-installed); ``floor_raw`` is no framework at all (an asyncio BufferedProtocol answering from its receive
-buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
+installed); ``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol
+answering from its receive buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
 ``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
 glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request. The variants
 alternate in rounds so that all see the same minutes of a shared host.
@@ -80,62 +80,13 @@ if __name__ == "__main__":
 """
 
 
-RAW_APP = """
-# No HTTP framework at all: an asyncio BufferedProtocol that receives each request straight into one
-# buffer, finds Content-Length, copies the body out once and answers. Keep-alive only, no error paths:
-# a yardstick for what any Python HTTP layer could reach on this host, not a server.
-import asyncio, sys
-
-BODY = b"{}" + bytes(12)
-REPLY = (b"HTTP/1.1 200 OK\\r\\ncontent-type: application/octet-stream\\r\\ninference-header-content-length: 2\\r\\n"
-         b"content-length: %d\\r\\n\\r\\n" % len(BODY)) + BODY
-
-
-class Raw(asyncio.BufferedProtocol):
-    def connection_made(self, transport):
-        self.transport, self.buf, self.filled = transport, bytearray(4 << 20), 0
-        self.view = memoryview(self.buf)
-
-    def get_buffer(self, sizehint):
-        return self.view[self.filled:]
-
-    def buffer_updated(self, nbytes):
-        self.filled += nbytes
-        end = self.buf.find(b"\\r\\n\\r\\n", 0, self.filled)
-        if end < 0:
-            return
-        head = bytes(self.buf[:end]).lower()
-        at = head.find(b"content-length:")
-        stop = head.find(b"\\r\\n", at)
-        total = end + 4 + (0 if at < 0 else int(head[at + 15 : stop if stop > 0 else None]))
-        if self.filled >= total:
-            body = bytes(self.view[end + 4:total])  # the one copy a handler would need
-            self.transport.write(REPLY)
-            self.buf[: self.filled - total] = self.buf[total:self.filled]
-            self.filled -= total
-
-
-async def main():
-    server = await asyncio.get_running_loop().create_server(Raw, "127.0.0.1", int(sys.argv[2]))
-    await server.serve_forever()
-
-
-try:
-    import uvloop
-    uvloop.run(main())
-except ImportError:
-    asyncio.run(main())
-"""
-
-
 UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
 
 
 def variant_server(name: str, work: Path, index: int) -> Server:
-    if name == "floor_raw":
-        script = work / "raw_app.py"
-        script.write_text(RAW_APP)
-        return Server(name, [sys.executable, str(script)], dict(os.environ), "/", work / f"{name}.log")
+    if name == "floor_raw":  # answers with 3 floats, like the light model
+        command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
+        return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
     if name.startswith("floor"):
         script = work / "floor_app.py"
         script.write_text(FLOOR_APP)

@@ -65,6 +65,7 @@ SERIES_OF = {
     "service_workers": ("binary",),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
+    "client_ceiling": ("binary",),
 }
 """Series per server where not both: the naive server speaks only JSON; the variants are about binary."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
@@ -155,6 +156,13 @@ def naive_server(model_path: Path, device: str, logs: Path) -> Server:
     command = [sys.executable, str(ROOT / "bench" / "naive_server.py"), str(model_path), "--device", device]
     command += ["--name", DEMO_MODEL]
     return Server("naive", command, dict(os.environ), "/health", logs / "naive.log")
+
+
+def ceiling_server(reply_floats: int, logs: Path) -> Server:
+    """No framework, no model: answers every request at once (bench/raw_http_server.py). Its throughput
+    is what the load generator itself can send on this host, the ceiling of every other figure."""
+    command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", str(reply_floats)]
+    return Server("client_ceiling", command, dict(os.environ), "/", logs / "client_ceiling.log")
 
 
 # ------------------------------------------------------------------------------------------ payloads
@@ -517,7 +525,13 @@ def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) 
             variant = _find(rows, name, "binary", c)
             base = _find(rows, "service", "binary", c)
             entry[f"{name}_vs_service_binary"] = _ratio(variant and variant["throughput"], base and base["throughput"])
+        ceiling = _find(rows, "client_ceiling", "binary", c)
+        if ceiling:  # the share of what the load generator could send that the service answered
+            base = _find(rows, "service", "binary", c)
+            entry["service_binary_vs_client_ceiling"] = _ratio(base and base["throughput"], ceiling["throughput"])
         summary["ratios"].append(entry)
+    ceilings = [r["throughput"] for r in rows if r["server"] == "client_ceiling"]
+    summary["client_ceiling_max_throughput"] = max(ceilings, default=None)
     return summary
 
 
@@ -566,7 +580,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="service,service_nobatch,naive",
         help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
-        "glibc's own heap thresholds)",
+        "glibc's own heap thresholds), client_ceiling (bench/raw_http_server.py: what the load generator "
+        "can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
@@ -654,6 +669,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
             "service_heap_default", model_dir, device, logs, SERVICE_HEAP_KEEP_MB="0"
         ),
         "naive": lambda: naive_server(original, device, logs),
+        "client_ceiling": lambda: ceiling_server(per_sample_out, logs),
     }
     for name in args.servers:
         server = servers[name]()
@@ -715,7 +731,8 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
     ]
     common.print_table(rows, columns, title="servers (throughput in samples/s)", digits=2)
     for name, part in [("service", summary), *summary["variants"].items()]:
-        scalars = [{"figure": k, "value": v} for k, v in part.items() if k not in ("ratios", "targets", "variants")]
+        skip = ("ratios", "targets", "variants", "client_ceiling_max_throughput")
+        scalars = [{"figure": k, "value": v} for k, v in part.items() if k not in skip]
         scalars += [{"figure": f"target {k}", "value": v} for k, v in part["targets"].items()]
         common.print_table(scalars, ["figure", "value"], title=f"summary: {name}", digits=3)
     ratio_columns = [
@@ -725,6 +742,7 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
         "json_vs_nobatch",
         "json_vs_naive_json",
         *(f"{name}_vs_service_binary" for name in summary["variants"]),
+        *(["service_binary_vs_client_ceiling"] if summary["client_ceiling_max_throughput"] else []),
     ]
     common.print_table(summary["ratios"], ratio_columns, title="throughput ratios (same run)", digits=2)
 

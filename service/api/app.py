@@ -30,6 +30,19 @@ DESCRIPTION = (
 )
 
 
+class ServiceApp(FastAPI):
+    """FastAPI with the infer fast path in front of its whole middleware stack.
+
+    Starlette's stack (ServerErrorMiddleware, FastAPI's telemetry and body-limit middlewares, the
+    exception middleware) wraps every request in several coroutines and send wrappers. The fast path
+    renders its own errors, so binary and JSON infer requests skip all of it: about 0.065 ms less per
+    request, measured ad hoc in-process on the CPU machine (0.50 against 0.56 ms for a whole request).
+    """
+
+    def build_middleware_stack(self) -> Any:
+        return InferFastPath(super().build_middleware_stack())
+
+
 def create_app(
     settings: ServiceSettings,
     registry: ModelRegistry | None = None,
@@ -47,7 +60,7 @@ def create_app(
         registry = ModelRegistry(
             settings, metrics=metrics, prepare_store=role.prepare_store, follow_store=role.follow_store
         )
-    app = FastAPI(
+    app = ServiceApp(
         title="onnx-cnn-serve",
         version=kserve.server_version(),
         description=DESCRIPTION,
@@ -58,7 +71,6 @@ def create_app(
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry, role)
     install_error_handlers(app)
-    app.add_middleware(InferFastPath)
     for module in (health, predict, kserve, models, metrics_route):
         app.include_router(module.router)
     _document_bodies(app)

@@ -1,8 +1,8 @@
 """What the inference routes share: metrics per request and running a request against a model.
 
-``infer`` watches the connection while the request waits in the batching queue: when the client goes
-away its task is cancelled, so the batcher drops it and its queue slot is freed instead of computing an
-answer nobody will read.
+``infer`` watches the connection while the request waits in the batching queue (from ``WATCH_AFTER_S``
+on): when the client goes away its task is cancelled, so the batcher drops it and its queue slot is
+freed instead of computing an answer nobody will read.
 """
 
 from __future__ import annotations
@@ -66,21 +66,43 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+WATCH_AFTER_S = 0.005
+"""A request still waiting after this long starts watching its connection; quicker ones never pay for it."""
+
+
 async def infer(
     request: Request, mv: ModelVersion, inputs: dict[str, np.ndarray], outputs: list[str] | None
 ) -> InferenceResult:
-    """Queue and run one request (``mv.infer`` validates); cancelled if the client disconnects."""
-    work = asyncio.ensure_future(mv.infer(inputs, outputs))
-    watch = asyncio.ensure_future(_disconnected(request))
+    """Queue and run one request (``mv.infer`` validates); cancelled if the client disconnects.
+
+    The request runs in the handler's own task. Once it has waited ``WATCH_AFTER_S``, a watcher task
+    cancels the handler when the client goes away. Cost, measured ad hoc in-process on the CPU machine
+    (a whole binary request): running the request in a second task and waiting on both with asyncio.wait
+    took about 0.1 ms more than no watching at all; a watcher from the start, 0.05 ms more.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    watch: asyncio.Future[None] | None = None
+    armed = True
+
+    def client_gone(done: asyncio.Future[None]) -> None:
+        if armed and not done.cancelled():
+            handler.cancel()
+
+    def start_watching() -> None:
+        nonlocal watch
+        watch = asyncio.ensure_future(_disconnected(request))
+        watch.add_done_callback(client_gone)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
     try:
-        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await mv.infer(inputs, outputs)
+    except asyncio.CancelledError:
+        if watch is not None and watch.done() and not watch.cancelled() and handler.uncancel() == 0:
+            raise ClientDisconnect() from None
+        raise  # cancelled from outside (shutdown): not ours to swallow
     finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            # Let it unwind before answering: its queue slot is free (and the depth gauge updated) by the
-            # time the handler returns. asyncio.wait never raises work's own CancelledError.
-            await asyncio.wait((work,))
-    if work not in done:
-        raise ClientDisconnect()
-    return work.result()
+        armed = False
+        timer.cancel()
+        if watch is not None:
+            watch.cancel()
