@@ -20,7 +20,7 @@ fi
 if [ "$part" = service ] || [ "$part" = all ]; then
   timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick --client-procs 8 \
     --servers "${SERVERS:-service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
-    --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
+    --series "${SERIES:-binary,json}" --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
 fi
 if [ "$part" = tests ] || [ "$part" = all ]; then
   timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15

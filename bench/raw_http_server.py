@@ -32,27 +32,32 @@ class RawProtocol(asyncio.BufferedProtocol):
         self.transport = transport
         self.buf = bytearray(4 << 20)
         self.view = memoryview(self.buf)
-        self.filled = 0
+        self.filled = 0  # bytes received and not yet answered
+        self.need: int | None = None  # the current request's total size, once its head is parsed
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        searched = max(0, self.filled - 3)  # the head's end may straddle two reads
         self.filled += nbytes
         while True:
-            end = self.buf.find(b"\r\n\r\n", 0, self.filled)
-            if end < 0:
+            if self.need is None:
+                end = self.buf.find(b"\r\n\r\n", searched, self.filled)
+                if end < 0:
+                    return
+                head = bytes(self.buf[:end]).lower()
+                at = head.find(b"content-length:")
+                stop = head.find(b"\r\n", at)
+                self.need = end + 4 + (0 if at < 0 else int(head[at + 15 : stop if stop > 0 else None]))
+                self.body_at = end + 4
+            if self.filled < self.need:
                 return
-            head = bytes(self.buf[:end]).lower()
-            at = head.find(b"content-length:")
-            stop = head.find(b"\r\n", at)
-            total = end + 4 + (0 if at < 0 else int(head[at + 15 : stop if stop > 0 else None]))
-            if self.filled < total:
-                return
-            body = bytes(self.view[end + 4 : total])  # noqa: F841 - the one copy a handler would need
+            body = bytes(self.view[self.body_at : self.need])  # noqa: F841 - the one copy a handler needs
             self.transport.write(self.answer)  # type: ignore[attr-defined]
-            self.buf[: self.filled - total] = self.buf[total : self.filled]
-            self.filled -= total
+            rest = self.filled - self.need
+            self.buf[:rest] = self.buf[self.need : self.filled]
+            self.filled, self.need, searched = rest, None, 0
 
 
 async def serve(port: int) -> None:
