@@ -12,9 +12,12 @@ In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
    (a) ``service``: ours with dynamic batching, (b) ``service_nobatch``: SERVICE_BATCHING__ENABLED=false,
    (c) ``naive``: bench/naive_server.py (one ORT session on the unoptimized model, one request = one
    inference, FastAPI + stdlib json).
-3. **Load**: an asyncio aiohttp client with N concurrent workers (N = 1, 8, 32, 64), each sending its
-   next request as soon as the last one returns, for a fixed time after a warm-up; KServe V2 binary
-   requests (``binary``) and JSON ``/predict`` (``json``; the naive server speaks only that).
+3. **Load**: an asyncio client with N concurrent workers (N = 1, 8, 32, 64) over ``--client-procs``
+   processes, each sending its next request as soon as the last one returns, for a fixed time after a
+   warm-up (``--client raw``, the default: one prebuilt HTTP/1.1 request per write over asyncio streams;
+   ``--client aiohttp``: aiohttp, which capped every figure at about 1,150 requests/s on the H200 host);
+   KServe V2 binary requests (``binary``) and JSON ``/predict`` (``json``; the naive server speaks only
+   that). ``client_ceiling`` (bench/raw_http_server.py answers at once) shows what the client can send.
 
 Reported per point: throughput (samples/s), p50/p99 latency, the mean engine batch (from the server's
 /metrics) and the throughput as a fraction of the engine's own at that batch size. Summary: a single
@@ -234,9 +237,11 @@ async def _load(url: str, payload: Payload, workers: int, window_start: float, w
     state: throughput = their samples / window length); a failed request counts whenever it happens.
     Window bounds are ``time.monotonic()`` values, the same clock in every process.
 
-    The client is aiohttp: with 600 KB bodies, httpx's asyncio client managed about 700 requests/s per
-    process against a bare asyncio server on this project's CPU machine, aiohttp about 2,600 (ad hoc, one
-    4-second run each), so the load generator needs fewer cores for the same load."""
+    The client is aiohttp (``--client aiohttp``). It replaced httpx, whose asyncio client managed about
+    700 requests/s per process here (ad hoc), but it is the ceiling itself: against a server that does
+    nothing (``client_ceiling``), 2 aiohttp processes sent 970-1,030 requests/s on the CPU machine, the
+    raw client 7,200-8,800 (bench/results/service-2026-11-30-cpu-client-{aiohttp,raw}.json). ``_load_raw`` is the
+    default."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=workers, force_close=False)
@@ -269,12 +274,83 @@ async def _load(url: str, payload: Payload, workers: int, window_start: float, w
     return PointResult(len(latencies), errors[0], duration, latencies, first_error[0] if first_error else None)
 
 
-def _client_process(url: str, payload: Payload, workers: int, window_start: float, window_end: float):
-    return asyncio.run(_load(url, payload, workers, window_start, window_end))
+async def _load_raw(url: str, payload: Payload, workers: int, window_start: float, window_end: float) -> PointResult:
+    """The same load as ``_load`` with the leanest client asyncio allows: each worker keeps one
+    connection and writes one prebuilt HTTP/1.1 request (head and body in one buffer), then reads the
+    status line, the headers and Content-Length bytes with asyncio streams. Why: against a server that
+    does nothing (bench/raw_http_server.py) 8 aiohttp processes topped out at about 1,150 requests/s
+    on the H200 host, no more than our service answered (bench/results/service-2026-11-30-cuda-run5-
+    ceiling.json), so aiohttp could not show a server's own ceiling."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    head = [f"POST {payload.path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(payload.body)}"]
+    head += [f"{k}: {v}" for k, v in payload.headers.items()]
+    request = ("\r\n".join(head) + "\r\n\r\n").encode() + payload.body
+    latencies: list[float] = []
+    errors = [0]
+    first_error: list[str] = []
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, str]:
+        writer.write(request)
+        status_line = await reader.readline()
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        content = await reader.readexactly(int(headers.get("content-length", "0")))
+        status = int(status_line.split()[1]) if status_line else 0
+        ok = response_ok(payload, status, headers, content)
+        return ok, "" if ok else f"HTTP {status}: {content[:200]!r}"
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while time.monotonic() < window_end:
+                start = time.perf_counter()
+                try:
+                    ok, reason = await one(reader, writer)
+                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
+                    ok, reason = False, f"{type(exc).__name__}: {exc}"
+                    writer.close()
+                    reader, writer = await asyncio.open_connection(host, int(port))
+                latency_ms = (time.perf_counter() - start) * 1e3
+                if not ok:
+                    errors[0] += 1
+                    if not first_error:
+                        first_error.append(reason)
+                elif window_start <= time.monotonic() <= window_end:
+                    latencies.append(latency_ms)
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    duration = window_end - window_start
+    return PointResult(len(latencies), errors[0], duration, latencies, first_error[0] if first_error else None)
+
+
+CLIENTS = {"aiohttp": _load, "raw": _load_raw}
+
+
+def _client_process(url: str, payload: Payload, workers: int, window_start: float, window_end: float,
+                    client: str = "aiohttp"):
+    return _run_loop(CLIENTS[client](url, payload, workers, window_start, window_end))
+
+
+def _run_loop(coroutine: Any) -> PointResult:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def run_point(
-    url: str, payload: Payload, concurrency: int, warmup_s: float, duration_s: float, procs: int = 1
+    url: str,
+    payload: Payload,
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+    procs: int = 1,
+    client: str = "aiohttp",
 ) -> PointResult:
     """One load point. With ``procs`` > 1 the workers are spread over that many client processes, so
     that on a many-core host one Python client process is not what limits the throughput."""
@@ -282,11 +358,11 @@ def run_point(
     window_start = time.monotonic() + warmup_s + (1.0 if procs > 1 else 0.0)  # + process start-up
     window_end = window_start + duration_s
     if procs == 1:
-        return asyncio.run(_load(url, payload, concurrency, window_start, window_end))
+        return _client_process(url, payload, concurrency, window_start, window_end, client)
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     context = multiprocessing.get_context("spawn")  # no fork of a process holding a CUDA context
     with concurrent.futures.ProcessPoolExecutor(max_workers=procs, mp_context=context) as pool:
-        futures = [pool.submit(_client_process, url, payload, n, window_start, window_end) for n in shares]
+        futures = [pool.submit(_client_process, url, payload, n, window_start, window_end, client) for n in shares]
         parts = [f.result() for f in futures]
     latencies = [lat for part in parts for lat in part.latencies_ms]
     first_error = next((p.first_error for p in parts if p.first_error), None)
@@ -469,7 +545,8 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
         for payload in payloads:
             for concurrency in args.concurrency:
                 before = batch_counters(server.url)
-                point = run_point(server.url, payload, concurrency, args.warmup, args.duration, procs=args.client_procs)
+                point = run_point(server.url, payload, concurrency, args.warmup, args.duration,
+                                  procs=args.client_procs, client=args.client)
                 after = batch_counters(server.url)
                 batch = None
                 if server.name == "naive":
@@ -593,6 +670,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=max(1, min(8, (os.cpu_count() or 1) // 4)),
         help="client processes the workers are spread over (default: cores/4, 1 to 8)",
     )
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="raw",
+                        help="load generator: raw (asyncio streams, prebuilt requests; default) or aiohttp")
     parser.add_argument("--keep", action="store_true", help="keep the temporary model store and server logs")
     args = parser.parse_args(argv)
     args.duration = args.duration or (3.0 if args.quick else 8.0)
@@ -686,7 +765,8 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "concurrency": args.concurrency,
-            "client": "aiohttp, N workers back to back over client_procs processes; single requests: http.client",
+            "client": f"{args.client}, N workers back to back over client_procs processes; single requests: "
+            "http.client",
             "client_procs": args.client_procs,
             "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),

@@ -1,0 +1,50 @@
+"""bench/service.py's load generators against bench/raw_http_server.py (a real socket server): both
+clients count answered requests, and an answer of the wrong size counts as an error."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import service  # noqa: E402
+
+REPLY_FLOATS = 5
+
+
+@pytest.fixture(scope="module")
+def raw_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", str(REPLY_FLOATS)]
+    server = service.Server("raw", command, {}, "/", tmp_path_factory.mktemp("raw") / "raw.log")
+    with service.running(server, 30) as running:
+        yield running.url
+
+
+def _payload(out_count: int) -> service.Payload:
+    sample = np.ones((1, 3, 64, 64), np.float32)  # 48 KB: several reads per request on loopback
+    return service.binary_payload("m", "input", "output", sample, out_count)
+
+
+@pytest.mark.parametrize("client", sorted(service.CLIENTS))
+def test_a_load_point_counts_answered_requests(raw_server: str, client: str) -> None:
+    started = time.perf_counter()
+    point = service.run_point(raw_server, _payload(REPLY_FLOATS), 4, 0.2, 0.5, procs=1, client=client)
+    assert point.errors == 0, point.first_error
+    assert point.requests > 10
+    assert all(0 < ms < 5_000 for ms in point.latencies_ms)
+    assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("client", sorted(service.CLIENTS))
+def test_an_answer_of_the_wrong_size_is_an_error(raw_server: str, client: str) -> None:
+    point = service.run_point(raw_server, _payload(REPLY_FLOATS + 1), 2, 0.1, 0.3, procs=1, client=client)
+    assert point.requests == 0
+    assert point.errors > 0 and "HTTP 200" in (point.first_error or "")
