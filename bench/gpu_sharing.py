@@ -14,7 +14,9 @@
    MobileNetV3 cannot be served with CUDA graphs (ORT 1.31.1 replay crash, bench/results/
    cuda-bisect-2026-11-30-h200.json). Launch overhead matters little at b64, so each variant here
    (precision x NHWC x CUDA graph) is timed at bucket 64 with ``time_batch`` (no host copies, the same
-   measure as bench/engine.py's "ours" rows), and at bucket 1 for reference.
+   measure as bench/engine.py's "ours" rows), and at bucket 1 for reference. ``fuse_conv_bias`` rows ask
+   ORT to fuse each conv's bias into the conv: the kernel census (bench/results/kernel-census-2026-11-30-
+   h200.json) found a separate cuDNN bias-add kernel for every convolution (62 of MNV3's 207 kernels).
 
 A child that crashes or hangs costs only its own row. Prints tables, writes
 ``bench/results/gpu-sharing-<date>.json``.
@@ -39,13 +41,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 
-VARIANTS = [  # (model, precision, prefer_nhwc, cuda_graph)
-    ("mobilenet_v3_large", "fp32", True, True),
-    ("mobilenet_v3_large", "fp32", True, False),
-    ("mobilenet_v3_large", "fp16", True, False),
-    ("mobilenet_v3_large", "fp16", False, False),
-    ("resnet50", "fp16", True, True),
-    ("resnet50", "fp16", True, False),
+VARIANTS = [  # (model, precision, prefer_nhwc, cuda_graph, fuse_conv_bias)
+    ("mobilenet_v3_large", "fp32", True, True, False),
+    ("mobilenet_v3_large", "fp32", True, True, True),
+    ("mobilenet_v3_large", "fp32", True, False, False),
+    ("mobilenet_v3_large", "fp16", True, False, False),
+    ("mobilenet_v3_large", "fp16", True, False, True),
+    ("mobilenet_v3_large", "fp16", False, False, False),
+    ("resnet50", "fp16", True, True, False),
+    ("resnet50", "fp16", True, True, True),
+    ("resnet50", "fp16", True, False, False),
 ]
 
 
@@ -65,12 +70,12 @@ def prepare(directory: Path) -> dict[str, Path]:
     return paths
 
 
-def load_engine(path: Path, buckets: tuple[int, ...], nhwc: bool, graph: bool) -> Any:
+def load_engine(path: Path, buckets: tuple[int, ...], nhwc: bool, graph: bool, fuse_bias: bool = False) -> Any:
     from service.runtime.engine import Engine
     from service.settings import EngineSettings
 
     settings = EngineSettings(device="cuda", buckets=buckets, cuda_graph=graph, autotune=False,
-                              prefer_nhwc="on" if nhwc else "off")
+                              prefer_nhwc="on" if nhwc else "off", fuse_conv_bias=fuse_bias)
     return Engine.load(path.read_bytes(), settings)
 
 
@@ -92,8 +97,8 @@ def child_sharing(path: Path, start_at: float, seconds: float, gap_ms: float) ->
             "call_p50_ms": statistics.median(calls), "call_p90_ms": statistics.quantiles(calls, n=10)[-1]}
 
 
-def child_variant(path: Path, nhwc: bool, graph: bool) -> dict[str, Any]:
-    engine = load_engine(path, (1, 64), nhwc=nhwc, graph=graph)
+def child_variant(path: Path, nhwc: bool, graph: bool, fuse_bias: bool) -> dict[str, Any]:
+    engine = load_engine(path, (1, 64), nhwc=nhwc, graph=graph, fuse_bias=fuse_bias)
     return {"b1_ms": engine.time_batch(1, runs=300, max_s=3.0), "b64_ms": engine.time_batch(64, runs=200, max_s=4.0),
             "cuda_graph_active": engine.describe()["cuda_graph"]}
 
@@ -138,9 +143,10 @@ def sharing_rows(paths: dict[str, Path], seconds: float, plan: list[tuple[int, f
 
 def variant_rows(paths: dict[str, Path]) -> list[dict[str, Any]]:
     rows = []
-    for model, precision, nhwc, graph in VARIANTS:
-        result = collect(spawn(["variant", str(paths[f"{model}-{precision}"]), nhwc, graph]), 240.0)
-        rows.append({"model": model, "precision": precision, "nhwc": nhwc, "cuda_graph": graph, **result})
+    for model, precision, nhwc, graph, fuse_bias in VARIANTS:
+        result = collect(spawn(["variant", str(paths[f"{model}-{precision}"]), nhwc, graph, fuse_bias]), 240.0)
+        rows.append({"model": model, "precision": precision, "nhwc": nhwc, "cuda_graph": graph,
+                     "fuse_conv_bias": fuse_bias, **result})
         print(f"variant: {rows[-1]}", flush=True)
     return rows
 
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                title="processes replaying bucket 8 at once (MNV3 fp32 NHWC, CUDA graph)")
         if "b64" in args.parts:
             document["variants"] = variant_rows(paths)
-            common.print_table(document["variants"], ["model", "precision", "nhwc", "cuda_graph", "b1_ms", "b64_ms"],
+            common.print_table(document["variants"],
+                               ["model", "precision", "nhwc", "cuda_graph", "fuse_conv_bias", "b1_ms", "b64_ms"],
                                title="time_batch medians (ms), no host copies")
     out = args.out or common.RESULTS_DIR / f"gpu-sharing-{head['date']}.json"
     print(f"wrote {common.write_result('gpu-sharing', document, head=head, path=out)}")

@@ -57,6 +57,11 @@ class EngineSettings(BaseModel):
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
         "EXHAUSTIVE", description="cuDNN convolution algorithm search (EXHAUSTIVE costs time at warm-up only)."
     )
+    fuse_conv_bias: bool = Field(
+        False,
+        description="CUDA only: ask ONNX Runtime to fuse each convolution's bias into the convolution "
+        "(cuDNN frontend). Unmeasured: a kernel census found one separate cuDNN bias-add kernel per conv.",
+    )
     autotune: bool = Field(True, description="Time candidate variants at load and serve the fastest (CUDA only).")
     autotune_budget_s: float = Field(60.0, ge=0.0, le=3600.0, description="Time budget of the load-time tuner.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="ORT intra-op threads on CPU (0: ORT default).")

@@ -605,6 +605,7 @@ class Engine:
             "cuda_graph_fallback": self._graph_fallback,
             "prefer_nhwc": self._prefer_nhwc,
             "cudnn_conv_algo_search": self._settings.cudnn_conv_algo_search if self._choice.is_cuda else None,
+            "fuse_conv_bias": self._settings.fuse_conv_bias if self._choice.is_cuda else None,
             "graph_optimization_level": "ORT_ENABLE_ALL",
             "intra_op_threads": 1 if self._choice.is_cuda else self._settings.intra_op_threads or None,
             "nodes": self._nodes,

@@ -207,9 +207,12 @@ def cuda_provider_options(
     settings: EngineSettings, *, prefer_nhwc: bool, cuda_graph: bool
 ) -> dict[str, str]:
     """CUDA execution provider options for one session."""
-    return {
+    options = {
         "device_id": str(settings.device_id),
         "cudnn_conv_algo_search": settings.cudnn_conv_algo_search,
         "prefer_nhwc": "1" if prefer_nhwc else "0",
         "enable_cuda_graph": "1" if cuda_graph else "0",
     }
+    if settings.fuse_conv_bias:  # only when asked: the default sessions stay exactly as measured
+        options["fuse_conv_bias"] = "1"
+    return options

@@ -188,3 +188,13 @@ def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
         assert engine.describe()["precision"] == "fp32"
     finally:
         engine.close()
+
+
+def test_cuda_options_ask_for_conv_bias_fusion_only_when_set() -> None:
+    from service.runtime.providers import cuda_provider_options
+
+    plain = cuda_provider_options(EngineSettings(), prefer_nhwc=True, cuda_graph=True)
+    assert "fuse_conv_bias" not in plain
+    assert plain["prefer_nhwc"] == "1" and plain["enable_cuda_graph"] == "1"
+    fused = cuda_provider_options(EngineSettings(fuse_conv_bias=True), prefer_nhwc=False, cuda_graph=False)
+    assert fused["fuse_conv_bias"] == "1" and fused["prefer_nhwc"] == "0"
