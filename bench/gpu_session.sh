@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls), one part per call: `bench/gpu_session.sh probe|engine|service|tests|bisect|floor|sharing|census`. Everything lands
-# in $OUT (logs and JSON), which the lead copies into bench/results/.
+# setup calls), one part per call:
+#   bench/gpu_session.sh probe|engine|service|tests|bisect|floor|sharing|census
+# Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
+# `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
+# whatever stale checkout surrounds the snapshot in every result header.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
