@@ -82,3 +82,17 @@ async def test_errors_are_rendered_like_the_routed_path(monkeypatch):
         assert "/secret" not in body["error"]
         if status == 503:
             assert resp.headers["retry-after"] == "2"
+
+
+def test_the_app_puts_the_fast_path_in_front_of_its_whole_middleware_stack(tmp_path) -> None:
+    """Infer requests skip Starlette's error, telemetry and body-limit middlewares (the fast path renders
+    its own errors); the rest of the stack sits behind it."""
+    from starlette.middleware.errors import ServerErrorMiddleware
+
+    from service.api.app import create_app
+    from service.settings import ServiceSettings
+
+    app = create_app(ServiceSettings(model_dir=tmp_path / "models", demo_model=False))
+    stack = app.build_middleware_stack()
+    assert isinstance(stack, fast_path.InferFastPath)
+    assert isinstance(stack.app, ServerErrorMiddleware)
