@@ -21,8 +21,10 @@ if [ "$part" = engine ] || [ "$part" = all ]; then
     --out-dir "$OUT" 2>&1 | tee "$OUT/engine.log" | tail -80
 fi
 if [ "$part" = service ] || [ "$part" = all ]; then
-  timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick --client-procs 8 \
-    --servers "${SERVERS:-service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
+  # client_ceiling first: what the load generator can send on this host bounds every other figure
+  timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
+    --client "${CLIENT:-raw}" --client-procs "${CLIENT_PROCS:-4}" \
+    --servers "${SERVERS:-client_ceiling,service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
     --series "${SERIES:-binary,json}" --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
 fi
 if [ "$part" = tests ] || [ "$part" = all ]; then

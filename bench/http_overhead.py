@@ -12,7 +12,9 @@ the same size; ``floor_granian`` runs that app on granian (a Rust HTTP server, m
 installed); ``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol
 answering from its receive buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
 ``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
-glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request. The variants
+glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request.
+``service_no_inline`` sends every request through the engine thread (``SERVICE_BATCHING__INLINE_MAX_MS=0``),
+where ``service`` runs a lone request on the event loop. The variants
 alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
@@ -50,7 +52,15 @@ from bench.service import (  # noqa: E402
 )
 
 TOKEN = "bench-http-overhead-token-0123456789"
-VARIANTS = ("service", "service_heap_default", "floor", "floor_heap_kept", "floor_raw", "floor_granian")
+VARIANTS = (
+    "service",
+    "service_no_inline",
+    "service_heap_default",
+    "floor",
+    "floor_heap_kept",
+    "floor_raw",
+    "floor_granian",
+)
 # glibc thresholds equal to what SERVICE_HEAP_KEEP_MB=256 sets with mallopt (service/heap.py)
 HEAP_KEPT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 FLOOR_APP = """
@@ -112,6 +122,8 @@ def variant_server(name: str, work: Path, index: int) -> Server:
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
     if name == "service_heap_default":
         env["SERVICE_HEAP_KEEP_MB"] = "0"
+    if name == "service_no_inline":  # every request through the engine thread (SERVICE_BATCHING__INLINE_MAX_MS)
+        env["SERVICE_BATCHING__INLINE_MAX_MS"] = "0"
     return service_server(name, work / "models", "cpu", work, **env)
 
 

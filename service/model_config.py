@@ -69,6 +69,7 @@ class ModelConfig(BaseModel):
             buckets=self.buckets or settings.engine.buckets,
             fused_conv=self.fused_conv if self.fused_conv is not None else settings.optimizer.fused_conv,
             verify=settings.optimizer.verify,
+            inline_max_s=batching.inline_max_ms / 1000.0,
         )
 
 
@@ -84,6 +85,7 @@ class EffectiveConfig:
     buckets: tuple[int, ...]
     fused_conv: bool
     verify: bool
+    inline_max_s: float = 0.0
 
     def engine_settings(self, settings: ServiceSettings) -> EngineSettings:
         """The service's engine settings with this model's buckets."""

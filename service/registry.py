@@ -273,8 +273,11 @@ class ModelVersion:
 
     # ------------------------------------------------------------------ inference
 
-    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> InferenceResult:
-        """Validate, queue, batch, run; only the requested outputs (all when ``None``) come back."""
+    async def infer(
+        self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None, *, alone: bool = False
+    ) -> InferenceResult:
+        """Validate, queue, batch, run; only the requested outputs (all when ``None``) come back.
+        ``alone``: no other request is in progress (``Batcher.submit`` may then run it inline)."""
         batcher = self._batcher
         if self.state is not ModelState.READY or batcher is None:
             state = self.state.value.lower()
@@ -282,7 +285,7 @@ class ModelVersion:
         wanted = self._requested_outputs(outputs)
         self.validate_inputs(inputs)
         try:
-            result = await batcher.submit(inputs)
+            result = await batcher.submit(inputs, alone=alone)
         finally:
             self._report_depth()
         chosen = result.outputs if wanted is None else {k: result.outputs[k] for k in wanted}
@@ -315,11 +318,18 @@ class ModelVersion:
             timeout_s=self.config.timeout_s,
             name=f"{self.name}:{self.version}",
             on_batch=self._on_batch,
+            inline_max_s=self.config.inline_max_s,
         )
         self._batcher.start()
         warm = self._warmup_inputs()
         if warm is not None:
             await self._batcher.submit(warm)
+        if self._batcher.inline_max_s > 0:
+            # Lone requests may run on this (the event loop's) thread: a CUDA-graph engine captures its
+            # graphs for a new thread on first use, so do it now rather than inside a request.
+            prepare = getattr(engine, "prepare_thread", None)
+            if prepare is not None:
+                prepare()
         self.state = ModelState.READY
 
     def _warmup_inputs(self) -> dict[str, np.ndarray] | None:

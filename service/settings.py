@@ -37,6 +37,14 @@ class BatchingSettings(BaseModel):
     timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="Per-request deadline, queueing and compute together (504)."
     )
+    inline_max_ms: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="A request the server handles alone runs on the event loop itself, skipping the hand-over "
+        "to the engine thread, when the engine last served that many samples within this time (0: never; "
+        "only for models without a batching delay).",
+    )
 
 
 class EngineSettings(BaseModel):

@@ -18,6 +18,7 @@ from service.settings import ServiceSettings
 from . import health, kserve, metrics_route, models, predict
 from .error_handlers import install_error_handlers
 from .fast_path import InferFastPath
+from .inference import InFlight
 from .lifecycle import Lifecycle, WorkerRole, lifespan
 from .schemas import BODY_MODELS
 
@@ -70,6 +71,7 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry, role)
+    app.state.inflight = InFlight()
     install_error_handlers(app)
     for module in (health, predict, kserve, models, metrics_route):
         app.include_router(module.router)

@@ -23,21 +23,33 @@ if TYPE_CHECKING:
     from service.registry import InferenceResult, ModelVersion
 
 
+class InFlight:
+    """How many inference requests this server process is handling (``app.state.inflight``): from the
+    start of the handler, i.e. while the body is still arriving, to the end of the response."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class Observed:
-    """``async with Observed(request, "predict") as obs:`` records outcome and latencies on exit."""
+    """``async with Observed(request, "predict") as obs:`` counts the request in flight and records its
+    outcome and latencies on exit."""
 
     def __init__(self, request: Request, endpoint: str) -> None:
         self.request, self.endpoint = request, endpoint
         self.model = ""  # set once the request is resolved to a real model (bounded label values)
         self.result: InferenceResult | None = None
         self.start = time.perf_counter()
+        self.inflight: InFlight = request.app.state.inflight
 
     async def __aenter__(self) -> Observed:
+        self.inflight.count += 1
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self.inflight.count -= 1
         if exc is None:
             outcome = "success"
         elif isinstance(exc, ServiceError):
@@ -95,8 +107,9 @@ async def infer(
         watch.add_done_callback(client_gone)
 
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
+    alone = request.app.state.inflight.count <= 1  # nothing else in progress: the batcher may run it inline
     try:
-        return await mv.infer(inputs, outputs)
+        return await mv.infer(inputs, outputs, alone=alone)
     except asyncio.CancelledError:
         if watch is not None and watch.done() and not watch.cancelled() and handler.uncancel() == 0:
             raise ClientDisconnect() from None

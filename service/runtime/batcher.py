@@ -94,9 +94,12 @@ class Batcher:
         name: str = "model",
         on_batch: OnBatch | None = None,
         run_parts: RunParts | None = None,
+        inline_max_s: float = 0.0,
     ) -> None:
-        if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0:
-            raise ValueError("need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0")
+        if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0 or inline_max_s < 0:
+            raise ValueError(
+                "need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0, inline_max_s >= 0"
+            )
         self._run_batch = run_batch
         self._run_parts = run_parts
         self.max_batch_size = max_batch_size
@@ -113,6 +116,11 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
         self._forming: list[_Request] = []
+        self._executing = False
+        # Inline runs (see submit): allowed up to this engine time; the engine's last time per sample count
+        # of a lone request, measured on whichever thread ran it.
+        self.inline_max_s = inline_max_s if max_delay_s == 0 else 0.0
+        self._lone_run_s: dict[int, float] = {}
 
     # ------------------------------------------------------------------ public API
 
@@ -135,8 +143,14 @@ class Batcher:
         )
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
-    async def submit(self, inputs: dict[str, np.ndarray]) -> BatchResult:
+    async def submit(self, inputs: dict[str, np.ndarray], *, alone: bool = False) -> BatchResult:
         """Queue one request and wait for its rows of the batch result.
+
+        ``alone``: the caller knows no other request is in progress. Then, if nothing is queued, forming
+        or running and the engine last served this many samples within ``inline_max_s``, the request runs
+        right here on the event loop: no hand-over to the engine thread and back, which costs more than a
+        fast GPU engine call on a server that is otherwise idle. Under load (not ``alone``) every request
+        takes the batching path.
 
         Raises QueueFullError (queue full), RequestTimeoutError (deadline passed), ShuttingDownError,
         InvalidInputError (inconsistent batch sizes) or EngineError / the ServiceError the engine raised.
@@ -148,6 +162,8 @@ class Batcher:
             raise InvalidInputError(f"batch of {n} samples exceeds this model's limit of {self.queue_size}")
         if self._depth + n > self.queue_size:
             raise QueueFullError()
+        if alone and self._may_run_inline(n):
+            return self._run_inline(inputs, n)
         now = time.monotonic()
         request = _Request(
             rid=next(self._ids),
@@ -167,6 +183,29 @@ class Batcher:
             raise RequestTimeoutError(f"request timed out after {self.timeout_s:g} s") from None
         finally:
             self._forget(request)
+
+    def _may_run_inline(self, n: int) -> bool:
+        if self.inline_max_s <= 0 or self._pending or self._forming or self._executing:
+            return False
+        last = self._lone_run_s.get(n)
+        return last is not None and last <= self.inline_max_s
+
+    def _run_inline(self, inputs: dict[str, np.ndarray], n: int) -> BatchResult:
+        """One request as its own batch, on the calling (event loop) thread; see ``submit``."""
+        started = time.monotonic()
+        try:
+            outputs = self._compute([inputs], [n])[0]
+        except ServiceError:
+            raise
+        except Exception as exc:
+            raise _engine_error(self.name, exc) from exc
+        compute_s = time.monotonic() - started
+        if self._on_batch is not None:
+            try:
+                self._on_batch(n, 0.0, compute_s)
+            except Exception:
+                log.exception("batcher %s: on_batch callback failed", self.name)
+        return BatchResult(outputs, 0.0, compute_s, n)
 
     async def stop(
         self, drain: bool = True, timeout_s: float | None = None, finalize: Callable[[], None] | None = None
@@ -338,6 +377,7 @@ class Batcher:
         assert self._executor is not None
         total = sum(r.n for r in live)
         started = time.monotonic()
+        self._executing = True
         try:
             split = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._compute, [r.inputs for r in live], [r.n for r in live]
@@ -351,6 +391,8 @@ class Batcher:
             for request in live:
                 _resolve_exception(request, copy.copy(error))
             return
+        finally:
+            self._executing = False
         compute_s = time.monotonic() - started
         for request, outputs in zip(live, split, strict=True):
             if not request.future.done():
@@ -364,9 +406,12 @@ class Batcher:
     # ------------------------------------------------------------------ the engine thread
 
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
-        """Runs on the engine thread: concatenate, run once, split back (copies, never views)."""
+        """Runs on the engine thread (or inline, see ``submit``): concatenate, run once, split back (copies,
+        never views). A lone request's engine time is kept per sample count for the inline decision."""
         if len(inputs) == 1:
+            started = time.perf_counter()
             outputs = self._run_batch(inputs[0])
+            self._lone_run_s[sizes[0]] = time.perf_counter() - started
         elif self._run_parts is not None:
             outputs = self._run_parts(inputs)
         else:

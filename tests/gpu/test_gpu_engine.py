@@ -251,3 +251,30 @@ def test_select_variant_times_and_reuses_its_choice() -> None:
         assert again.variant == chosen
     finally:
         again.close()
+
+
+def test_batcher_runs_a_lone_request_on_the_event_loop_thread(tiny: onnx.ModelProto) -> None:
+    """The inline path (Batcher.submit(alone=True)) replays CUDA graphs from the event loop's thread, the
+    thread path from the engine thread: both give the CPU provider's answer."""
+    import asyncio
+
+    from service.runtime.batcher import Batcher
+
+    with Engine.load(tiny, SETTINGS, variant="inline") as engine:
+        x = feeds_for(engine, 1, 11)
+
+        async def main() -> tuple[dict, dict, float | None]:
+            batcher = Batcher(engine.run, run_parts=engine.run_parts, max_batch_size=8, max_delay_s=0.0,
+                              queue_size=64, timeout_s=30.0, inline_max_s=0.05)
+            batcher.start()
+            threaded = await batcher.submit(x)  # engine thread; measures the engine time
+            inline = await batcher.submit(x, alone=True)
+            await batcher.stop()
+            return threaded.outputs, inline.outputs, batcher._lone_run_s.get(1)
+
+        threaded, inline, lone_s = asyncio.run(main())
+        assert lone_s is not None and lone_s < 0.05
+        assert threading.get_ident() in engine._ready_threads  # the loop's thread captured its own graphs
+        expected = cpu_outputs(tiny, x)["y"]
+        assert rel_l2(threaded["y"], expected) < REL_L2_FP32
+        assert rel_l2(inline["y"], expected) < REL_L2_FP32

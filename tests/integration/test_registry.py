@@ -326,15 +326,20 @@ def test_optimizer_timeout_is_refused_cleanly(tmp_path):
 def test_a_cancelled_upload_kills_its_optimizer_and_leaves_nothing(tmp_path):
     import psutil
 
+    def new_children(before: set[int]) -> list:
+        return [p for p in psutil.Process().children() if p.pid not in before]
+
     async def main():
         registry = ModelRegistry(settings_for(tmp_path))
         await registry.start()
+        # children started by earlier tests (e.g. multiprocessing's resource tracker) are not ours
+        before = {p.pid for p in psutil.Process().children()}
         task = asyncio.ensure_future(upload(registry, "gone", zoo.build("mobilenet_v3_small")))
         for _ in range(200):  # until the optimizer child runs
             await asyncio.sleep(0.01)
-            if psutil.Process().children():
+            if new_children(before):
                 break
-        children = psutil.Process().children()
+        children = new_children(before)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

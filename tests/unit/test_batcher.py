@@ -445,3 +445,98 @@ def test_several_requests_go_to_run_parts_when_given() -> None:
         check_own(result, x)
     assert part_calls and all(len(call) > 1 for call in part_calls), part_calls
     assert len(engine.rows_seen()) == sum(len(x["x"]) for x in inputs)  # every row computed exactly once
+
+
+# ------------------------------------------------------------------ inline runs (a lone request)
+
+
+def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) -> tuple[list, set[int]]:
+    """Two requests one after the other on a fresh batcher (``inline_max_s`` 50 ms unless given, no delay):
+    the first calibrates the engine time, the second may run inline. Returns the results and the thread
+    of each engine call, with the event loop's thread marked as -1."""
+
+    async def main():
+        options = {"max_delay_s": 0.0, "inline_max_s": 0.05, **kw}
+        batcher = make(engine, **options)
+        batcher.start()
+        loop_thread = threading.get_ident()
+        results = [await batcher.submit(rows(1.0, 1), alone=first_alone)]
+        engine.threads.clear()
+        results.append(await batcher.submit(rows(2.0, 1), alone=second_alone))
+        await batcher.stop()
+        return results, {-1 if t == loop_thread else t for t in engine.threads}
+
+    return asyncio.run(main())
+
+
+def test_a_lone_request_runs_inline_once_the_engine_is_known_to_be_fast():
+    engine = FakeEngine()
+    results, threads = inline_run(engine, first_alone=True, second_alone=True)
+    check_own(results[1], rows(2.0, 1))
+    assert threads == {-1}  # the event loop's own thread ran the engine
+    assert results[1].queue_s == 0.0 and results[1].batch_size == 1
+
+
+def test_a_request_among_others_takes_the_engine_thread():
+    results, threads = inline_run(FakeEngine(), first_alone=True, second_alone=False)
+    check_own(results[1], rows(2.0, 1))
+    assert -1 not in threads and len(threads) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "delay_s"),
+    [
+        ({"inline_max_s": 0.0}, 0.0),  # switched off
+        ({"inline_max_s": 0.005}, 0.02),  # the engine took longer than the limit
+        ({"max_delay_s": 0.002}, 0.0),  # a batching window was asked for: honour it
+    ],
+)
+def test_no_inline_run_when_off_slow_or_waiting_for_a_batch(options, delay_s):
+    results, threads = inline_run(FakeEngine(delay_s=delay_s), first_alone=True, second_alone=True, **options)
+    check_own(results[1], rows(2.0, 1))
+    assert -1 not in threads
+
+
+def test_no_inline_run_while_a_batch_is_on_the_engine():
+    """The engine serves one thread at a time: a lone request arriving while the engine thread runs a
+    batch queues behind it instead of calling the engine from the loop."""
+
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_delay_s=0.0, inline_max_s=10.0)
+        batcher.start()
+        batcher._lone_run_s[1] = 0.0  # known to be fast
+        first = asyncio.ensure_future(batcher.submit(rows(1.0, 1)))
+        while not engine.started.is_set():
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(batcher.submit(rows(2.0, 1), alone=True))
+        await asyncio.sleep(0.01)
+        assert not second.done()  # waiting, not run inline next to the busy engine
+        engine.release.set()
+        results = await asyncio.gather(first, second)
+        await batcher.stop()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    check_own(results[1], rows(2.0, 1))
+    assert engine.max_active == 1 and len(engine.threads) == 1
+
+
+def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
+    seen = []
+
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_delay_s=0.0, inline_max_s=0.05, on_batch=lambda *a: seen.append(a))
+        batcher.start()
+        await batcher.submit(rows(1.0, 1), alone=True)
+        engine.fail_with = RuntimeError("device lost")
+        with pytest.raises(EngineError):
+            await batcher.submit(rows(2.0, 1), alone=True)
+        engine.fail_with = None
+        result = await batcher.submit(rows(3.0, 1), alone=True)  # the model keeps serving
+        await batcher.stop()
+        return result
+
+    check_own(asyncio.run(main()), rows(3.0, 1))
+    assert len(seen) == 2 and all(call[0] == 1 for call in seen)  # inline runs are reported as batches of 1

@@ -4,6 +4,7 @@ client goes away, and a shutdown's cancellation is not mistaken for a disconnect
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 from starlette.requests import ClientDisconnect, Request
@@ -20,7 +21,8 @@ class FakeModel:
         self.delay_s = delay_s
         self.ended = ""
 
-    async def infer(self, inputs, outputs):
+    async def infer(self, inputs, outputs, *, alone=False):
+        self.alone = alone
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
@@ -41,7 +43,10 @@ def request(disconnect_after_s: float | None) -> tuple[Request, list[int]]:
         await asyncio.sleep(disconnect_after_s)
         return {"type": "http.disconnect"}
 
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive), receives
+    app = types.SimpleNamespace(state=types.SimpleNamespace(inflight=inference.InFlight()))
+    app.state.inflight.count = 1  # this request
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "app": app}
+    return Request(scope, receive), receives
 
 
 async def test_a_quick_request_never_watches_its_connection() -> None:
@@ -50,6 +55,7 @@ async def test_a_quick_request_never_watches_its_connection() -> None:
     assert await inference.infer(req, model, {}, None) == "result"  # type: ignore[arg-type]
     await asyncio.sleep(inference.WATCH_AFTER_S * 2)  # a leftover timer would fire now
     assert receives == [] and model.ended == "done"
+    assert model.alone  # the only request in flight may run inline
 
 
 async def test_a_waiting_request_is_cancelled_when_its_client_goes_away() -> None:
@@ -76,3 +82,11 @@ async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert model.ended == "cancelled"
+
+
+async def test_a_request_among_others_is_not_alone() -> None:
+    req, _ = request(None)
+    req.app.state.inflight.count = 3
+    model = FakeModel(0.0)
+    await inference.infer(req, model, {}, None)  # type: ignore[arg-type]
+    assert model.alone is False
