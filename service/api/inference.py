@@ -8,6 +8,7 @@ freed instead of computing an answer nobody will read.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -27,8 +28,26 @@ class InFlight:
     """How many inference requests this server process is handling (``app.state.inflight``): from the
     start of the handler, i.e. while the body is still arriving, to the end of the response."""
 
+    QUIET_S = 0.5
+    """How long the server must have served one request at a time before a request counts as alone."""
+
     def __init__(self) -> None:
         self.count = 0
+        self.crowded_at = -math.inf  # when two or more were last in flight together
+
+    def enter(self) -> None:
+        self.count += 1
+        if self.count > 1:
+            self.crowded_at = time.monotonic()
+
+    def leave(self) -> None:
+        self.count -= 1
+
+    def alone(self) -> bool:
+        """Only this request is in flight, and none overlapped for QUIET_S. Under concurrent load a lone
+        moment is common, but running a request inline then would stall the loop that is reading the
+        others' bodies: measured on the CPU machine with 8 clients, throughput fell 18 % (ad hoc)."""
+        return self.count <= 1 and time.monotonic() - self.crowded_at >= self.QUIET_S
 
 
 class Observed:
@@ -43,13 +62,13 @@ class Observed:
         self.inflight: InFlight = request.app.state.inflight
 
     async def __aenter__(self) -> Observed:
-        self.inflight.count += 1
+        self.inflight.enter()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.inflight.count -= 1
+        self.inflight.leave()
         if exc is None:
             outcome = "success"
         elif isinstance(exc, ServiceError):
@@ -107,7 +126,7 @@ async def infer(
         watch.add_done_callback(client_gone)
 
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
-    alone = request.app.state.inflight.count <= 1  # nothing else in progress: the batcher may run it inline
+    alone = request.app.state.inflight.alone()  # nothing else in progress: the batcher may run it inline
     try:
         return await mv.infer(inputs, outputs, alone=alone)
     except asyncio.CancelledError:

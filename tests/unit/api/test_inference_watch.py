@@ -4,6 +4,7 @@ client goes away, and a shutdown's cancellation is not mistaken for a disconnect
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -90,3 +91,18 @@ async def test_a_request_among_others_is_not_alone() -> None:
     model = FakeModel(0.0)
     await inference.infer(req, model, {}, None)  # type: ignore[arg-type]
     assert model.alone is False
+
+
+def test_a_request_is_alone_only_after_a_quiet_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inference.InFlight, "QUIET_S", 0.05)
+    inflight = inference.InFlight()
+    inflight.enter()
+    assert inflight.alone()  # a server that has only ever seen one request at a time
+    inflight.enter()  # a second one overlaps
+    assert not inflight.alone()
+    inflight.leave()
+    assert not inflight.alone()  # alone again, but the load may come back at any moment
+    time.sleep(0.06)
+    assert inflight.alone()
+    inflight.leave()
+    assert inflight.count == 0
