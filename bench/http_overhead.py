@@ -50,6 +50,8 @@ from bench.service import (  # noqa: E402
     service_server,
     single_request_latency,
 )
+from service import heap  # noqa: E402
+from service.settings import ServiceSettings  # noqa: E402
 
 TOKEN = "bench-http-overhead-token-0123456789"
 VARIANTS = (
@@ -61,8 +63,11 @@ VARIANTS = (
     "floor_raw",
     "floor_granian",
 )
-# glibc thresholds equal to what SERVICE_HEAP_KEEP_MB=256 sets with mallopt (service/heap.py)
-HEAP_KEPT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+# the glibc thresholds service/heap.py sets with mallopt at the default SERVICE_HEAP_KEEP_MB, as environment
+HEAP_KEPT_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(heap.MMAP_THRESHOLD_MAX),
+    "MALLOC_TRIM_THRESHOLD_": str(ServiceSettings.model_fields["heap_keep_mb"].default << 20),
+}
 FLOOR_APP = """
 import uvicorn
 

@@ -230,6 +230,29 @@ class PointResult:
     first_error: str | None = None
 
 
+@dataclass
+class _Tally:
+    """What one client process saw in a load point: latencies of the successes inside the window, every
+    failure, and the first failure's reason."""
+
+    window_start: float
+    window_end: float
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str | None = None
+
+    def record(self, ok: bool, reason: str, latency_ms: float) -> None:
+        if not ok:
+            self.errors += 1
+            self.first_error = self.first_error or reason
+        elif self.window_start <= time.monotonic() <= self.window_end:
+            self.latencies.append(latency_ms)
+
+    def result(self) -> PointResult:
+        seconds = self.window_end - self.window_start
+        return PointResult(len(self.latencies), self.errors, seconds, self.latencies, self.first_error)
+
+
 async def _load(url: str, payload: Payload, workers: int, window_start: float, window_end: float) -> PointResult:
     """``workers`` workers, each sending its next request as soon as the last returns, without pause
     from now (the warm-up) to the end of the window: an idle gap would let the server close kept-alive
@@ -246,10 +269,8 @@ async def _load(url: str, payload: Payload, workers: int, window_start: float, w
 
     connector = aiohttp.TCPConnector(limit=workers, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120.0)
+    tally = _Tally(window_start, window_end)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
-        latencies: list[float] = []
-        errors = [0]
-        first_error: list[str] = []
 
         async def worker() -> None:
             while time.monotonic() < window_end:
@@ -261,17 +282,10 @@ async def _load(url: str, payload: Payload, workers: int, window_start: float, w
                         reason = "" if ok else f"HTTP {resp.status}: {content[:200]!r}"
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
                     ok, reason = False, f"{type(exc).__name__}: {exc}"
-                latency_ms = (time.perf_counter() - start) * 1e3
-                if not ok:
-                    errors[0] += 1
-                    if not first_error:
-                        first_error.append(reason)
-                elif window_start <= time.monotonic() <= window_end:
-                    latencies.append(latency_ms)
+                tally.record(ok, reason, (time.perf_counter() - start) * 1e3)
 
         await asyncio.gather(*(worker() for _ in range(workers)))
-    duration = window_end - window_start
-    return PointResult(len(latencies), errors[0], duration, latencies, first_error[0] if first_error else None)
+    return tally.result()
 
 
 async def _load_raw(url: str, payload: Payload, workers: int, window_start: float, window_end: float) -> PointResult:
@@ -285,9 +299,7 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
     head = [f"POST {payload.path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(payload.body)}"]
     head += [f"{k}: {v}" for k, v in payload.headers.items()]
     request = ("\r\n".join(head) + "\r\n\r\n").encode() + payload.body
-    latencies: list[float] = []
-    errors = [0]
-    first_error: list[str] = []
+    tally = _Tally(window_start, window_end)
 
     async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, str]:
         writer.write(request)
@@ -312,19 +324,12 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
                     ok, reason = False, f"{type(exc).__name__}: {exc}"
                     writer.close()
                     reader, writer = await asyncio.open_connection(host, int(port))
-                latency_ms = (time.perf_counter() - start) * 1e3
-                if not ok:
-                    errors[0] += 1
-                    if not first_error:
-                        first_error.append(reason)
-                elif window_start <= time.monotonic() <= window_end:
-                    latencies.append(latency_ms)
+                tally.record(ok, reason, (time.perf_counter() - start) * 1e3)
         finally:
             writer.close()
 
     await asyncio.gather(*(worker() for _ in range(workers)))
-    duration = window_end - window_start
-    return PointResult(len(latencies), errors[0], duration, latencies, first_error[0] if first_error else None)
+    return tally.result()
 
 
 CLIENTS = {"aiohttp": _load, "raw": _load_raw}

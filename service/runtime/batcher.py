@@ -200,12 +200,15 @@ class Batcher:
         except Exception as exc:
             raise _engine_error(self.name, exc) from exc
         compute_s = time.monotonic() - started
+        self._report_batch(n, 0.0, compute_s)
+        return BatchResult(outputs, 0.0, compute_s, n)
+
+    def _report_batch(self, total: int, queue_s: float, compute_s: float) -> None:
         if self._on_batch is not None:
             try:
-                self._on_batch(n, 0.0, compute_s)
+                self._on_batch(total, queue_s, compute_s)
             except Exception:
                 log.exception("batcher %s: on_batch callback failed", self.name)
-        return BatchResult(outputs, 0.0, compute_s, n)
 
     async def stop(
         self, drain: bool = True, timeout_s: float | None = None, finalize: Callable[[], None] | None = None
@@ -397,11 +400,7 @@ class Batcher:
         for request, outputs in zip(live, split, strict=True):
             if not request.future.done():
                 request.future.set_result(BatchResult(outputs, started - request.enqueued, compute_s, total))
-        if self._on_batch is not None:
-            try:
-                self._on_batch(total, started - min(r.enqueued for r in live), compute_s)
-            except Exception:
-                log.exception("batcher %s: on_batch callback failed", self.name)
+        self._report_batch(total, started - min(r.enqueued for r in live), compute_s)
 
     # ------------------------------------------------------------------ the engine thread
 

@@ -43,6 +43,8 @@ from service.runtime.types import ONNX_TO_NUMPY, TensorSpec
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+CUDA_INTRA_OP_THREADS = 1
+"""ORT CPU threads of a CUDA session (see ``_cuda_session``)."""
 
 # Relative L2 difference allowed between a bucket's plain run and its CUDA-graph replay at warm-up.
 _GRAPH_CHECK_TOL = 1e-3
@@ -358,14 +360,14 @@ class Engine:
         self, bucket: _Bucket, feeds: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """First run shared (it holds the slow cuDNN search), the runs that may capture exclusive."""
-        first = self._run_bucket(bucket, feeds, bucket.size)
+        first = self._run_bucket(bucket, [feeds], [bucket.size])
         last = first
         if not self._cuda_graph:
             return first, last
         self._lock.acquire_exclusive()
         try:
             for _ in range(_WARMUP_RUNS - 1):
-                last = self._run_bucket(bucket, feeds, bucket.size, locked=True)
+                last = self._run_bucket(bucket, [feeds], [bucket.size], locked=True)
         finally:
             self._lock.release_exclusive()
         return first, last
@@ -441,15 +443,10 @@ class Engine:
         if not self._io_binding or total > self.max_batch_size:
             return self.run({name: np.concatenate([part[name] for part in parts]) for name in parts[0]})
         with self._one_caller():
-            bucket = self._bound[self.bucket_for(total)]
-            self._lock.acquire_shared()
             try:
-                return self._copy_run_copy(bucket, parts, sizes)
+                return self._run_bucket(self._bound[self.bucket_for(total)], parts, sizes)
             except Exception as exc:
-                logger.error("inference failed on %s (batch %d): %s", self.provider, total, exc)
-                raise EngineError(f"inference failed on {self.provider}: {_short(exc)}") from exc
-            finally:
-                self._lock.release_shared()
+                raise self._inference_error(total, exc) from exc
 
     @contextlib.contextmanager
     def _one_caller(self) -> Iterator[None]:
@@ -467,7 +464,7 @@ class Engine:
         size = self.bucket_for(n)
         try:
             if self._io_binding:
-                return self._run_bucket(self._bound[size], feeds, n)
+                return self._run_bucket(self._bound[size], [feeds], [n])
             if n != size and self._fixed_batch:  # a fixed-batch export takes exactly its batch size
                 padded = {k: _pad(v, size) for k, v in feeds.items()}
                 results = self._session.run(self._output_names, padded)
@@ -479,21 +476,29 @@ class Engine:
                 self._lock.release_shared()
             return dict(zip(self._output_names, results, strict=True))
         except Exception as exc:
-            logger.error("inference failed on %s (batch %d): %s", self.provider, n, exc)
-            raise EngineError(f"inference failed on {self.provider}: {_short(exc)}") from exc
+            raise self._inference_error(n, exc) from exc
+
+    def _inference_error(self, n: int, exc: Exception) -> EngineError:
+        logger.error("inference failed on %s (batch %d): %s", self.provider, n, exc)
+        return EngineError(f"inference failed on {self.provider}: {_short(exc)}")
 
     @property
     def _fixed_batch(self) -> bool:
         return any(spec.shape[0] is not None for spec in self.inputs)
 
     def _run_bucket(
-        self, bucket: _Bucket, feeds: Mapping[str, np.ndarray], n: int, *, locked: bool = False
+        self,
+        bucket: _Bucket,
+        parts: Sequence[Mapping[str, np.ndarray]],
+        sizes: Sequence[int],
+        *,
+        locked: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Copy n rows in (padding the rest with zeros), run the bucket, copy n rows of each output out."""
+        """Copy the parts' rows in (padding the rest with zeros), run the bucket, copy their rows out."""
         if not locked:
             self._lock.acquire_shared()
         try:
-            return self._copy_run_copy(bucket, [feeds], [n])
+            return self._copy_run_copy(bucket, parts, sizes)
         finally:
             if not locked:
                 self._lock.release_shared()
@@ -586,7 +591,7 @@ class Engine:
         if self._io_binding:
             bucket = self._bound[self.bucket_for(batch)]
             feeds = random_feeds(self.inputs, bucket.size, np.random.default_rng(1))
-            self._run_bucket(bucket, feeds, bucket.size)
+            self._run_bucket(bucket, [feeds], [bucket.size])
         return float(np.median(time_calls(lambda: self.run_bound(batch), runs=runs, max_s=max_s, warmup=warmup)))
 
     # ---------------------------------------------------------------------------------- reporting
@@ -607,7 +612,9 @@ class Engine:
             "cudnn_conv_algo_search": self._settings.cudnn_conv_algo_search if self._choice.is_cuda else None,
             "fuse_conv_bias": self._settings.fuse_conv_bias if self._choice.is_cuda else None,
             "graph_optimization_level": "ORT_ENABLE_ALL",
-            "intra_op_threads": 1 if self._choice.is_cuda else self._settings.intra_op_threads or None,
+            "intra_op_threads": (
+                CUDA_INTRA_OP_THREADS if self._choice.is_cuda else self._settings.intra_op_threads or None
+            ),
             "nodes": self._nodes,
             "ops": self._ops,
             "inputs": [spec.to_dict() for spec in self.inputs],
@@ -746,7 +753,7 @@ def _cuda_session(data: bytes, settings: EngineSettings, nhwc: bool, *, graph: b
     # The CUDA EP launches kernels from the calling thread; ORT's CPU thread pool (one spinning thread per
     # core by default, per session) would only serve nodes left on the CPU and burn the cores that the
     # event loops and other workers need.
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = CUDA_INTRA_OP_THREADS
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     _CUDA_LOCK.acquire_shared()
     try:  # a graph session that ORT refuses is logged by us (as a fallback), not by ORT
