@@ -68,6 +68,7 @@ SERIES_OF = {
     "service_workers": ("binary",),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
+    "service_no_inline": ("binary",),
     "client_ceiling": ("binary",),
 }
 """Series per server where not both: the naive server speaks only JSON; the variants are about binary."""
@@ -662,8 +663,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="service,service_nobatch,naive",
         help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
-        "glibc's own heap thresholds), client_ceiling (bench/raw_http_server.py: what the load generator "
-        "can send)",
+        "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), client_ceiling "
+        "(bench/raw_http_server.py: what the load generator can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
@@ -751,6 +752,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         ),
         "service_heap_default": lambda: service_server(
             "service_heap_default", model_dir, device, logs, SERVICE_HEAP_KEEP_MB="0"
+        ),
+        "service_no_inline": lambda: service_server(
+            "service_no_inline", model_dir, device, logs, SERVICE_BATCHING__INLINE_MAX_MS="0"
         ),
         "naive": lambda: naive_server(original, device, logs),
         "client_ceiling": lambda: ceiling_server(per_sample_out, logs),

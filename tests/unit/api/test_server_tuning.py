@@ -86,3 +86,16 @@ def test_zero_leaves_the_heap_alone() -> None:
     from service.heap import keep_freed_memory
 
     assert keep_freed_memory(0) is False
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: ServiceSettings(heap_keep_mb=-1), "heap_keep_mb"),
+        (lambda: ServiceSettings(batching={"inline_max_ms": -1}), "inline_max_ms"),
+        (lambda: ServiceSettings(batching={"inline_max_ms": 1000}), "inline_max_ms"),
+    ],
+)
+def test_settings_refuse_out_of_range_tuning_values(make, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        make()
