@@ -913,7 +913,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per runner at setup and before round 1")
     p.add_argument("--settle", type=int, default=3, help="untimed calls at the start of every timing block")
     p.add_argument("--image", type=int, default=224)
-    p.add_argument("--tune-budget-s", type=float, default=40.0, help="autotune timing budget per model/precision")
+    p.add_argument("--tune-budget-s", type=float, default=60.0, help="autotune timing budget per model/precision")
     p.add_argument("--deadline-s", type=float, default=450.0, help="stop starting new work after this")
     p.add_argument("--measure-reserve-s", type=float, default=90.0,
                    help="start no autotuning worker when less than this (plus its budget) is left")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls), one part per call:
-#   bench/gpu_session.sh probe|engine|service|tests|bisect|floor|sharing|census
+# setup calls), one or more parts per call:
+#   bench/gpu_session.sh PART [PART...]   PART: probe|engine|service|tests|bisect|floor|sharing|census|all
+# Several parts in one call run in the order above (one call saves the machine's idle time between calls).
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
 # `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
 # whatever stale checkout surrounds the snapshot in every result header.
@@ -9,41 +10,42 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-part=${1:-all}
+parts=" ${*:-all} "
+want() { [[ $parts == *" $1 "* ]] || { [[ $parts == *" all "* ]] && [ "${2:-}" != only ]; }; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
 nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
-if [ "$part" = probe ] || [ "$part" = all ]; then
+if want probe; then
   timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
     --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
 fi
-if [ "$part" = engine ] || [ "$part" = all ]; then
+if want engine; then
   timeout "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
     --out-dir "$OUT" 2>&1 | tee "$OUT/engine.log" | tail -80
 fi
-if [ "$part" = service ] || [ "$part" = all ]; then
+if want service; then
   # client_ceiling first: what the load generator can send on this host bounds every other figure
   timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
     --client "${CLIENT:-raw}" --client-procs "${CLIENT_PROCS:-4}" \
     --servers "${SERVERS:-client_ceiling,service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
     --series "${SERIES:-binary,json}" --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
 fi
-if [ "$part" = tests ] || [ "$part" = all ]; then
+if want tests; then
   timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
 fi
-if [ "$part" = bisect ]; then
+if want bisect only; then
   timeout "${BISECT_TIMEOUT_S:-200}" python3 bench/cuda_bisect.py --timeout-s 45 --max-tries 9 \
     --out "$OUT/cuda-bisect.json" 2>&1 | tee "$OUT/bisect.log" | tail -30
 fi
-if [ "$part" = floor ]; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
+if want floor only; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
   timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 \
     --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
 fi
-if [ "$part" = sharing ]; then  # N processes on one GPU; b64 variants without CUDA graphs
+if want sharing only; then  # N processes on one GPU; b64 variants without CUDA graphs
   timeout "${SHARING_TIMEOUT_S:-540}" python3 bench/gpu_sharing.py --parts "${SHARING_PARTS:-sharing,b64}" \
     --sharing-plan "${SHARING_PLAN:-1@0,2@0,4@0,1@1,4@1}" --out "$OUT/gpu-sharing.json" 2>&1 \
     | tee "$OUT/sharing.log" | tail -30
 fi
-if [ "$part" = census ]; then
+if want census only; then
   timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py --out "$OUT/kernel-census.json" 2>&1 \
     | tee "$OUT/census.log" | tail -30
 fi

@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import fnmatch
 import gc
 import http.client
 import json
@@ -65,13 +66,14 @@ from bench import common  # noqa: E402
 DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
     "naive": ("json",),
-    "service_workers": ("binary",),
+    "service_workers": ("binary", "binary_b*"),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
     "client_ceiling": ("binary",),
 }
-"""Series per server where not both: the naive server speaks only JSON; the variants are about binary."""
+"""Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the variants are
+about binary; the ceiling server's fixed answer fits single-sample requests only."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -181,11 +183,12 @@ class Payload:
     headers: dict[str, str]
     samples: int
     output_name: str
-    output_count: int
+    output_count: int  # output values per sample
 
 
 def binary_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
-    """KServe V2 binary extension: JSON header + raw float32 input; binary output requested."""
+    """KServe V2 binary extension: JSON header + raw float32 input; binary output requested. A sample
+    with a leading dimension of N > 1 makes the series ``binary_bN``: each request carries N samples."""
     header = {
         "inputs": [
             {
@@ -200,7 +203,8 @@ def binary_payload(model: str, input_name: str, output_name: str, sample: np.nda
     head = json.dumps(header, separators=(",", ":")).encode()
     headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
     path = f"/v2/models/{model}/infer"
-    return Payload("binary", path, head + sample.tobytes(), headers, sample.shape[0], output_name, out_count)
+    series = "binary" if sample.shape[0] == 1 else f"binary_b{sample.shape[0]}"
+    return Payload(series, path, head + sample.tobytes(), headers, sample.shape[0], output_name, out_count)
 
 
 def json_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
@@ -211,14 +215,27 @@ def json_payload(model: str, input_name: str, output_name: str, sample: np.ndarr
     return Payload("json", "/predict", body, headers, sample.shape[0], output_name, out_count)
 
 
+def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_count: int) -> Payload:
+    """The request of a series: ``binary`` and ``json`` carry one sample, ``binary_bN`` N samples (a
+    client that batches itself: the service's throughput at batch N without N requests' HTTP cost)."""
+    match = re.fullmatch(r"binary_b(\d+)|binary|json", series)
+    if not match:
+        raise ValueError(f"unknown series {series!r}: binary, json or binary_bN")
+    samples = int(match.group(1) or 1)
+    sample = np.random.default_rng(0).standard_normal((samples, *input_meta["shape"][1:]), dtype=np.float32)
+    maker = json_payload if series == "json" else binary_payload
+    return maker(DEMO_MODEL, input_meta["name"], output_name, sample, out_count)
+
+
 def response_ok(payload: Payload, status: int, headers: Any, content: bytes) -> bool:
     """200 and an output of the expected size (binary: the raw bytes after the JSON header)."""
     if status != 200:
         return False
-    if payload.series == "binary":
+    if payload.series.startswith("binary"):
         length = headers.get("inference-header-content-length")
-        return length is not None and len(content) - int(length) == payload.output_count * 4
-    return np.asarray(json.loads(content)["outputs"][payload.output_name]).size == payload.output_count
+        return length is not None and len(content) - int(length) == payload.samples * payload.output_count * 4
+    values = np.asarray(json.loads(content)["outputs"][payload.output_name])
+    return values.size == payload.samples * payload.output_count
 
 
 # ------------------------------------------------------------------------------------------ load
@@ -638,6 +655,11 @@ def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[
             (r["engine_fraction"] for r in rows if r["server"] == server and r["engine_fraction"]),
             default=None,
         ),
+        "best_engine_fraction_by_series": {
+            series: max(r["engine_fraction"] for r in rows
+                        if r["server"] == server and r["series"] == series and r["engine_fraction"])
+            for series in sorted({r["series"] for r in rows if r["server"] == server and r["engine_fraction"]})
+        },
     }
     summary["targets"] = {
         "single_request_ratio<=1.5": _check(summary["single_request_ratio"], lambda v: v <= 1.5),
@@ -667,7 +689,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(bench/raw_http_server.py: what the load generator can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
-    parser.add_argument("--series", default="binary,json", help="comma-separated subset of binary,json")
+    parser.add_argument("--series", default="binary,json",
+                        help="comma-separated: binary, json, binary_bN (requests of N samples each)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/service-<date>-<dev>.json)")
     parser.add_argument(
@@ -729,15 +752,11 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     input_meta, output_meta = meta["inputs"][0], meta["outputs"][0]
     per_sample_out = math.prod(d for d in output_meta["shape"][1:])
 
+    payloads = [make_payload(s, input_meta, output_meta["name"], per_sample_out) for s in args.series]
     print("engine in-process (the served model and variant)", flush=True)
-    batches = sorted({1, *(b for b in (2, 4, 8, 16, 32, 64) if b <= max(args.concurrency))})
+    largest = max(args.concurrency) * max(p.samples for p in payloads)  # the largest batch a point can form
+    batches = sorted({1, *(b for b in (2, 4, 8, 16, 32, 64) if b <= largest)})
     eng = measure_engine(model_dir, device, batches, max_s=1.0 if args.quick else 3.0)
-
-    sample = np.random.default_rng(0).standard_normal((1, *input_meta["shape"][1:]), dtype=np.float32)
-    makers = {"binary": binary_payload, "json": json_payload}
-    payloads = [
-        makers[s](DEMO_MODEL, input_meta["name"], output_meta["name"], sample, per_sample_out) for s in args.series
-    ]
     rows: list[dict] = []
     servers = {
         "service": lambda: service_server("service", model_dir, device, logs),
@@ -761,7 +780,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     }
     for name in args.servers:
         server = servers[name]()
-        usable = [p for p in payloads if p.series in SERIES_OF.get(name, ("binary", "json"))]
+        usable = [p for p in payloads if any(fnmatch.fnmatch(p.series, pat) for pat in SERIES_OF.get(name, "*"))]
         rows.extend(bench_server(server, usable, args, eng))
 
     summary = summarize(rows, eng, args.concurrency)

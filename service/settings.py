@@ -65,14 +65,22 @@ class EngineSettings(BaseModel):
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
         "EXHAUSTIVE", description="cuDNN convolution algorithm search (EXHAUSTIVE costs time at warm-up only)."
     )
-    fuse_conv_bias: bool = Field(
-        False,
-        description="CUDA only: ask ONNX Runtime to fuse each convolution's bias into the convolution "
-        "(cuDNN frontend). Unmeasured: a kernel census found one separate cuDNN bias-add kernel per conv.",
+    fuse_conv_bias: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="CUDA EP fuse_conv_bias: fold each convolution's bias add into the convolution (cuDNN "
+        "frontend) instead of a separate bias-add kernel per Conv; auto lets the load-time tuner measure both "
+        "(a model loaded without the tuner gets off).",
     )
     autotune: bool = Field(True, description="Time candidate variants at load and serve the fastest (CUDA only).")
     autotune_budget_s: float = Field(60.0, ge=0.0, le=3600.0, description="Time budget of the load-time tuner.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="ORT intra-op threads on CPU (0: ORT default).")
+
+    @field_validator("fuse_conv_bias", mode="before")
+    @classmethod
+    def _bool_means_on_or_off(cls, value: object) -> object:
+        """true/false (the setting was a boolean before the tuner measured it) mean on/off."""
+        text = str(value).strip().lower()
+        return {"true": "on", "1": "on", "false": "off", "0": "off"}.get(text, value)
 
     @field_validator("buckets")
     @classmethod

@@ -4,8 +4,9 @@ Why measure: on an H200, FusedConv made ResNet-50 slower under CUDA graphs (1.22
 0.71 with prefer_nhwc) but MobileNetV3 slightly faster (../shared/anchors.md); NHWC helps plain
 convolutions and hurts FusedConv (transposes). No rule of thumb survives a new GPU or ORT version.
 
-How: each candidate graph x prefer_nhwc on/off (settings.prefer_nhwc "auto") x precision (fp32, fp16
-or both for "auto") is loaded with the buckets {1, largest} only, warmed (that is the engine's own
+How: each candidate graph x prefer_nhwc on/off (settings.prefer_nhwc "auto") x fuse_conv_bias on/off
+(settings.fuse_conv_bias "auto"; graphs without FusedConv only, which already carries its bias) x
+precision (fp32, fp16 or both for "auto") is loaded with the buckets {1, largest} only, warmed (that is the engine's own
 warm-up), and timed at batch 1 and, while the budget lasts, at the largest bucket. Configurations are
 compared by the geometric mean of their time ratios over the batch sizes both were timed at. fp16 is
 verified against fp32 first (precision.check_fp16) and dropped if it fails. The winner is reloaded
@@ -46,16 +47,20 @@ _CHILD_OVERHEAD_S = 120.0
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One candidate: graph variant, CUDA prefer_nhwc, precision."""
+    """One candidate: graph variant, CUDA prefer_nhwc, precision, CUDA fuse_conv_bias (None on CPU).
+
+    A record written before fuse_conv_bias was tuned has no such field: it reads as None, matches no CUDA
+    configuration, and the model is timed again once."""
 
     variant: str
     prefer_nhwc: bool | None
     precision: str
+    fuse_conv_bias: bool | None = None
 
     @property
     def key(self) -> str:
         layout = "cpu" if self.prefer_nhwc is None else ("nhwc" if self.prefer_nhwc else "nchw")
-        return f"{self.variant}/{layout}/{self.precision}"
+        return f"{self.variant}/{layout}/{self.precision}" + ("/conv-bias-fused" if self.fuse_conv_bias else "")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -75,8 +80,17 @@ def _configs(
     configs = []
     for prec in PRECISIONS[precision]:
         for name in fp16_names if prec == "fp16" else names:
-            configs.extend(Config(name, nhwc, prec) for nhwc in layouts)
+            for nhwc in layouts:
+                configs.extend(Config(name, nhwc, prec, bias) for bias in _bias_options(candidates[name], settings))
     return configs
+
+
+def _bias_options(model: onnx.ModelProto, settings: EngineSettings) -> list[bool]:
+    """fuse_conv_bias values to time: off first (the long-measured default), on only where a plain Conv
+    carries a bias of its own (FusedConv adds its bias inside cuDNN's fused call already)."""
+    if settings.fuse_conv_bias != "auto":
+        return [settings.fuse_conv_bias == "on"]
+    return [False] if _has_fused_conv(model) else [False, True]
 
 
 def _score(a: Mapping[str, float], b: Mapping[str, float]) -> float:
@@ -148,7 +162,8 @@ def _time_config_child(
     source = onnx.load_from_string(model_data)
     model = to_fp16(source) if config.precision == "fp16" else source
     outcome: dict[str, Any] = {}
-    with Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, variant=config.key) as engine:
+    with Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=config.fuse_conv_bias,
+                     variant=config.key) as engine:
         if config.precision == "fp16":
             cpu = settings.model_copy(update={"device": "cpu", "buckets": (2,)})
             with Engine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
@@ -193,7 +208,8 @@ def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: E
     model = candidates[config.variant]
     if config.precision == "fp16":
         model = to_fp16(model)
-    return Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, variant=config.key)
+    return Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=config.fuse_conv_bias,
+                       variant=config.key)
 
 
 def _select_cpu(

@@ -191,6 +191,14 @@ def _short(exc: BaseException) -> str:
 
 
 # -------------------------------------------------------------------------------------- CUDA buckets
+@dataclasses.dataclass(frozen=True)
+class _CudaTuning:
+    """The CUDA provider options that the load-time tuner chooses per model (service.runtime.autotune)."""
+
+    prefer_nhwc: bool
+    fuse_conv_bias: bool
+
+
 @dataclasses.dataclass
 class _Bucket:
     """One batch size on CUDA: its device buffers, their binding, staging arrays and graph id."""
@@ -233,6 +241,7 @@ class Engine:
         variant: str,
         prefer_nhwc: bool | None,
         cuda_graph: bool,
+        fuse_conv_bias: bool | None = None,
         graph_fallback: str | None = None,
         io_binding: bool | None = None,
     ) -> None:
@@ -245,6 +254,7 @@ class Engine:
         self._choice = choice
         self._settings = settings
         self._prefer_nhwc = prefer_nhwc
+        self._fuse_conv_bias = fuse_conv_bias
         self._cuda_graph = cuda_graph
         self._graph_fallback = graph_fallback
         self._nodes = len(model.graph.node)
@@ -270,6 +280,7 @@ class Engine:
         settings: EngineSettings,
         *,
         prefer_nhwc: bool | None = None,
+        fuse_conv_bias: bool | None = None,
         variant: str = "default",
         _io_binding_on_cpu: bool = False,
     ) -> Engine:
@@ -283,8 +294,9 @@ class Engine:
         buckets = _buckets(settings.buckets, inputs)
         choice = resolve_device(settings)
         if choice.is_cuda:
-            nhwc = _resolve_nhwc(settings, prefer_nhwc, proto)
-            engine = cls._load_cuda(proto, data, settings, choice, buckets, variant, nhwc)
+            tuning = _CudaTuning(_resolve_nhwc(settings, prefer_nhwc, proto),
+                                 _resolve_fuse_conv_bias(settings, fuse_conv_bias))
+            engine = cls._load_cuda(proto, data, settings, choice, buckets, variant, tuning)
         else:
             engine = cls._warmed(
                 _cpu_session(data, settings), model=proto, choice=choice, settings=settings,
@@ -304,22 +316,22 @@ class Engine:
         choice: DeviceChoice,
         buckets: tuple[int, ...],
         variant: str,
-        nhwc: bool,
+        tuning: _CudaTuning,
     ) -> Engine:
         """CUDA session with graphs when possible; any capture problem falls back to no graphs, logged."""
         common = dict(model=proto, choice=choice, settings=settings, buckets=buckets, variant=variant,
-                      prefer_nhwc=nhwc)
+                      prefer_nhwc=tuning.prefer_nhwc, fuse_conv_bias=tuning.fuse_conv_bias)
         fallback = None
         if settings.cuda_graph and _static(signature(proto)[0]):
             try:
-                return cls._warmed(_cuda_session(data, settings, nhwc, graph=True), cuda_graph=True, **common)
+                return cls._warmed(_cuda_session(data, settings, tuning, graph=True), cuda_graph=True, **common)
             except _GraphUnusable as exc:
                 fallback = str(exc)
             except Exception as exc:  # ORT refuses graphs when a node is not on the CUDA EP
                 fallback = f"CUDA graph capture failed: {_short(exc)}"
             logger.warning("variant %s: CUDA graphs off for this model (%s)", variant, fallback)
         try:
-            session = _cuda_session(data, settings, nhwc, graph=False)
+            session = _cuda_session(data, settings, tuning, graph=False)
             return cls._warmed(session, cuda_graph=False, graph_fallback=fallback, **common)
         except EngineError:
             raise
@@ -610,7 +622,7 @@ class Engine:
             "cuda_graph_fallback": self._graph_fallback,
             "prefer_nhwc": self._prefer_nhwc,
             "cudnn_conv_algo_search": self._settings.cudnn_conv_algo_search if self._choice.is_cuda else None,
-            "fuse_conv_bias": self._settings.fuse_conv_bias if self._choice.is_cuda else None,
+            "fuse_conv_bias": self._fuse_conv_bias if self._choice.is_cuda else None,
             "graph_optimization_level": "ORT_ENABLE_ALL",
             "intra_op_threads": (
                 CUDA_INTRA_OP_THREADS if self._choice.is_cuda else self._settings.intra_op_threads or None
@@ -631,6 +643,7 @@ class Engine:
             f"engine {self.variant}: {CUDA} ({self._choice.reason}); buckets {list(self.buckets)}, {graph}, "
             f"IO binding {'on' if self._io_binding else 'off'}, "
             f"prefer_nhwc {'on' if self._prefer_nhwc else 'off'}, "
+            f"fuse_conv_bias {'on' if self._fuse_conv_bias else 'off'}, "
             f"{self._precision}, {self.load_s:.2f}s to load and warm"
         )
 
@@ -728,6 +741,13 @@ def _resolve_nhwc(settings: EngineSettings, prefer_nhwc: bool | None, model: onn
     return "FusedConv" not in _op_types(model)
 
 
+def _resolve_fuse_conv_bias(settings: EngineSettings, fuse_conv_bias: bool | None) -> bool:
+    """Explicit argument > settings on/off > auto: off (the tuner is what measures "on")."""
+    if fuse_conv_bias is not None:
+        return fuse_conv_bias
+    return settings.fuse_conv_bias == "on"
+
+
 def _session_options(*, quiet: bool = False) -> ort.SessionOptions:
     """ENABLE_ALL; ORT's own log at errors only (4, fatal only, where we report the failure ourselves)."""
     ort.set_default_logger_severity(3)  # e.g. "No registered plugin EP device found" warnings per session
@@ -747,8 +767,9 @@ def _cpu_session(data: bytes, settings: EngineSettings) -> ort.InferenceSession:
         raise EngineError(f"could not load the model on {CPU}: {_short(exc)}") from exc
 
 
-def _cuda_session(data: bytes, settings: EngineSettings, nhwc: bool, *, graph: bool) -> ort.InferenceSession:
-    provider = (CUDA, cuda_provider_options(settings, prefer_nhwc=nhwc, cuda_graph=graph))
+def _cuda_session(data: bytes, settings: EngineSettings, tuning: _CudaTuning, *, graph: bool) -> ort.InferenceSession:
+    provider = (CUDA, cuda_provider_options(settings, prefer_nhwc=tuning.prefer_nhwc, cuda_graph=graph,
+                                            fuse_conv_bias=tuning.fuse_conv_bias))
     options = _session_options(quiet=graph)
     # The CUDA EP launches kernels from the calling thread; ORT's CPU thread pool (one spinning thread per
     # core by default, per session) would only serve nodes left on the CPU and burn the cores that the

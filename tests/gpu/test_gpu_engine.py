@@ -92,6 +92,17 @@ def test_outputs_equal_cpu_for_every_bucket_and_odd_sizes(name: str, tiny: onnx.
             assert_matches_cpu(engine, model, n, seed)
 
 
+@pytest.mark.parametrize("name", ["tiny", "mobilenet_v3_large"])
+def test_conv_bias_fusion_gives_the_cpu_providers_answer(name: str, tiny: onnx.ModelProto) -> None:
+    """fuse_conv_bias (a tuner dimension) changes which cuDNN graph runs each convolution, not the result."""
+    model = tiny if name == "tiny" else zoo_model(name)
+    settings = SETTINGS.model_copy(update={"buckets": (1, 8, 64)})
+    with Engine.load(model, settings, fuse_conv_bias=True, prefer_nhwc=True, variant=name) as engine:
+        assert engine.describe()["fuse_conv_bias"] is True and engine.describe()["cuda_graph"]
+        for seed, n in enumerate([1, 3, 8, 64]):
+            assert_matches_cpu(engine, model, n, seed)
+
+
 def test_replayed_graph_gives_fresh_results(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
     for n in (1, 3, 64):
         first, second = feeds_for(tiny_engine, n, 100 + n), feeds_for(tiny_engine, n, 200 + n)

@@ -48,3 +48,20 @@ def test_an_answer_of_the_wrong_size_is_an_error(raw_server: str, client: str) -
     point = service.run_point(raw_server, _payload(REPLY_FLOATS + 1), 2, 0.1, 0.3, procs=1, client=client)
     assert point.requests == 0
     assert point.errors > 0 and "HTTP 200" in (point.first_error or "")
+
+
+def test_a_batched_series_carries_n_samples_and_expects_n_answers() -> None:
+    meta = {"name": "input", "shape": [-1, 3, 8, 8]}
+    one, four = service.make_payload("binary", meta, "y", 10), service.make_payload("binary_b4", meta, "y", 10)
+    assert (one.series, one.samples, four.series, four.samples) == ("binary", 1, "binary_b4", 4)
+    header_len = int(four.headers["Inference-Header-Content-Length"])
+    assert len(four.body) - header_len == 4 * 3 * 8 * 8 * 4
+    assert b'"shape":[4,3,8,8]' in four.body[:header_len]
+
+    def answer(floats: int) -> tuple[dict[str, str], bytes]:
+        return {"inference-header-content-length": "2"}, b"{}" + bytes(4 * floats)
+
+    assert service.response_ok(four, 200, *answer(40))
+    assert not service.response_ok(four, 200, *answer(10))  # one sample's answer to a request of four
+    with pytest.raises(ValueError, match="binary_bN"):
+        service.make_payload("binary_x", meta, "y", 10)

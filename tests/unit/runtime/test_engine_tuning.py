@@ -71,13 +71,18 @@ def test_fp16_check_fails_on_a_different_function() -> None:
 
 # ------------------------------------------------------------------------------------------- tuner
 def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelProto]) -> None:
-    auto = EngineSettings(prefer_nhwc="auto")
+    auto = EngineSettings(prefer_nhwc="auto", fuse_conv_bias="auto")
     keys = [c.key for c in autotune._configs(candidates, auto, "auto")]
-    assert keys == [
-        "plain/nhwc/fp32", "plain/nchw/fp32", "fused/nhwc/fp32", "fused/nchw/fp32",
-        "plain/nhwc/fp16", "plain/nchw/fp16",
+    assert keys == [  # conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv)
+        "plain/nhwc/fp32", "plain/nhwc/fp32/conv-bias-fused", "plain/nchw/fp32", "plain/nchw/fp32/conv-bias-fused",
+        "fused/nhwc/fp32", "fused/nchw/fp32",
+        "plain/nhwc/fp16", "plain/nhwc/fp16/conv-bias-fused", "plain/nchw/fp16", "plain/nchw/fp16/conv-bias-fused",
     ]
-    fixed = EngineSettings(prefer_nhwc="off")
+    forced = EngineSettings(prefer_nhwc="on", fuse_conv_bias="on")
+    assert [c.key for c in autotune._configs(candidates, forced, "fp32")] == [
+        "plain/nhwc/fp32/conv-bias-fused", "fused/nhwc/fp32/conv-bias-fused",
+    ]
+    fixed = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off")
     fp32 = [c.key for c in autotune._configs(candidates, fixed, "fp32")]
     assert fp32 == ["plain/nchw/fp32", "fused/nchw/fp32"]
     assert [c.key for c in autotune._configs(candidates, fixed, "fp16")] == ["plain/nchw/fp16"]
@@ -90,9 +95,9 @@ def test_score_is_a_geometric_mean_over_common_batches() -> None:
 
 def test_cached_choice_only_reused_on_same_device_and_version(candidates: dict[str, onnx.ModelProto]) -> None:
     configs = autotune._configs(candidates, EngineSettings(), "fp32")
-    choice = Config("fused", False, "fp32").to_dict()
+    choice = Config("fused", False, "fp32", False).to_dict()
     good = {"choice": choice, "device": "GPU X", "ort_version": ort.__version__}
-    assert autotune._cached_config(good, "GPU X", configs) == Config("fused", False, "fp32")
+    assert autotune._cached_config(good, "GPU X", configs) == Config("fused", False, "fp32", False)
     assert autotune._cached_config(good, "GPU Y", configs) is None
     assert autotune._cached_config({**good, "ort_version": "0.0"}, "GPU X", configs) is None
     fp16 = {**good, "choice": Config("plain", True, "fp16").to_dict()}
@@ -120,7 +125,7 @@ def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, on
 
 
 def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> None:
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp32")
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off", fuse_conv_bias="off"), "fp32")
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=0.0)
     engine.close()
     assert list(record["timings_ms"]) == ["plain/nchw/fp32"]
@@ -132,7 +137,8 @@ def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, 
     engine, record = select_variant(candidates, EngineSettings(buckets=(1, 2)), precision="auto")
     try:
         assert engine.provider == "CPUExecutionProvider"
-        assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32"}
+        assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32",
+                                    "fuse_conv_bias": None}
         assert record["timings_ms"] == {}
         assert "CPU" in record["reason"] and "fp16 not used" in record["reason"]
         x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
@@ -165,7 +171,7 @@ def test_a_configuration_that_crashes_costs_only_its_own_timing(
         return real(fn, args, timeout_s=timeout_s)
 
     monkeypatch.setattr(autotune, "run_in_child", crash_fp16)
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "auto")
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off", fuse_conv_bias="off"), "auto")
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     engine.close()
     assert record["skipped"] == {"plain/nchw/fp16": "ChildProcessFailed: the child process died (exit code -11)"}
@@ -183,7 +189,8 @@ def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
     configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp16")
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     try:
-        assert record["choice"] == {"variant": "plain", "prefer_nhwc": False, "precision": "fp32"}
+        assert record["choice"] == {"variant": "plain", "prefer_nhwc": False, "precision": "fp32",
+                                    "fuse_conv_bias": False}
         assert "no configuration could be timed" in record["reason"]
         assert engine.describe()["precision"] == "fp32"
     finally:
@@ -196,5 +203,26 @@ def test_cuda_options_ask_for_conv_bias_fusion_only_when_set() -> None:
     plain = cuda_provider_options(EngineSettings(), prefer_nhwc=True, cuda_graph=True)
     assert "fuse_conv_bias" not in plain
     assert plain["prefer_nhwc"] == "1" and plain["enable_cuda_graph"] == "1"
-    fused = cuda_provider_options(EngineSettings(fuse_conv_bias=True), prefer_nhwc=False, cuda_graph=False)
+    fused = cuda_provider_options(EngineSettings(), prefer_nhwc=False, cuda_graph=False, fuse_conv_bias=True)
     assert fused["fuse_conv_bias"] == "1" and fused["prefer_nhwc"] == "0"
+
+
+def test_fuse_conv_bias_setting_accepts_its_old_boolean_form_and_resolves_auto_to_off() -> None:
+    from service.runtime.engine import _resolve_fuse_conv_bias
+
+    assert EngineSettings(fuse_conv_bias=True).fuse_conv_bias == "on"
+    assert EngineSettings(fuse_conv_bias="false").fuse_conv_bias == "off"
+    with pytest.raises(ValueError, match="fuse_conv_bias"):
+        EngineSettings(fuse_conv_bias="sometimes")
+    assert _resolve_fuse_conv_bias(EngineSettings(), None) is False  # auto without the tuner: off
+    assert _resolve_fuse_conv_bias(EngineSettings(fuse_conv_bias="on"), None) is True
+    assert _resolve_fuse_conv_bias(EngineSettings(fuse_conv_bias="on"), False) is False  # the tuner's word wins
+
+
+def test_a_record_from_before_conv_bias_tuning_is_timed_again(candidates: dict[str, onnx.ModelProto]) -> None:
+    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp32")
+    old = {"choice": {"variant": "plain", "prefer_nhwc": False, "precision": "fp32"},
+           "device": "GPU X", "ort_version": ort.__version__}
+    assert autotune._cached_config(old, "GPU X", configs) is None
+    new = {**old, "choice": Config("plain", False, "fp32", True).to_dict()}
+    assert autotune._cached_config(new, "GPU X", configs) == Config("plain", False, "fp32", True)
