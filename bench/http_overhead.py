@@ -18,9 +18,9 @@ where ``service`` runs a lone request on the event loop. The variants
 alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
-An earlier version compared uvicorn's body buffer at 64 KiB and 8 MiB (a setting that then existed):
-no difference, 1.055 against 1.059 ms (bench/results/http-overhead-2026-11-30-body-buffer-ab.json),
-so the setting was removed.
+One request at a time, uvicorn's body buffer (``SERVICE_HTTP_BODY_BUFFER_KB``) made no difference at
+64 KiB against 8 MiB, 1.055 against 1.059 ms (bench/results/http-overhead-2026-11-30-body-buffer-ab.json);
+under concurrent load it does, for a bare app (bench/server_cpu.py).
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ SERIES_OF = {
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
+    "service_body_64k": ("binary", "binary_b*"),
     "client_ceiling": ("binary",),
 }
 """Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the variants are
@@ -685,7 +686,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="service,service_nobatch,naive",
         help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
-        "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), client_ceiling "
+        "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
+        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), client_ceiling "
         "(bench/raw_http_server.py: what the load generator can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
@@ -774,6 +776,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         ),
         "service_no_inline": lambda: service_server(
             "service_no_inline", model_dir, device, logs, SERVICE_BATCHING__INLINE_MAX_MS="0"
+        ),
+        "service_body_64k": lambda: service_server(
+            "service_body_64k", model_dir, device, logs, SERVICE_HTTP_BODY_BUFFER_KB="64"
         ),
         "naive": lambda: naive_server(original, device, logs),
         "client_ceiling": lambda: ceiling_server(per_sample_out, logs),

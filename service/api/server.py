@@ -9,6 +9,7 @@ supervisor in ``service.api.workers`` binds the port and runs one such server pe
 
 from __future__ import annotations
 
+import importlib
 import logging
 import socket
 import sys
@@ -69,10 +70,39 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
 
 
 def configure_process(settings: ServiceSettings) -> None:
-    """Logging, the GIL switch interval and the heap thresholds of a server process."""
+    """Logging, the GIL switch interval, the heap thresholds and uvicorn's body buffer of a server process."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     keep_freed_memory(settings.heap_keep_mb)
+    set_body_buffer(settings.http_body_buffer_kb * 1024)
+
+
+_UVICORN_HTTP_MODULES = ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl")
+
+
+def set_body_buffer(limit: int) -> list[str]:
+    """Let uvicorn buffer up to ``limit`` bytes of a request body before it pauses reading the socket.
+
+    Why: uvicorn pauses the socket whenever more than 64 KiB of body wait for the app and resumes it when
+    the app takes them, so an image tensor costs several pause/resume round trips through the event loop.
+    A bare uvicorn app on the CPU machine with 8 requests in flight spent 0.33 against 0.44 ms of CPU per
+    600 KB request and 3.3 against 4.8 ms per 4.8 MB one (16 MiB against 64 KiB; bench/results/server-cpu-
+    2026-11-30-cpu.json). Our own server there showed no difference beyond noise (its event loop spends
+    more elsewhere, and the CPU provider's threads share the two cores), nor did one request at a time
+    (bench/results/http-overhead-2026-11-30-body-buffer-ab.json); the GPU host is where to measure it next.
+    uvicorn has no option for it, so the module constant its protocols read is set (returns the modules
+    changed). The app still reads every body as it arrives and refuses it beyond ``max_request_mb``.
+    """
+    changed = []
+    for name in _UVICORN_HTTP_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # httptools is optional in uvicorn
+            continue
+        if hasattr(module, "HIGH_WATER_LIMIT"):
+            module.HIGH_WATER_LIMIT = limit
+            changed.append(name)
+    return changed
 
 
 def serve(settings: ServiceSettings) -> int:

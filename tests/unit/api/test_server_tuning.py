@@ -99,3 +99,34 @@ def test_zero_leaves_the_heap_alone() -> None:
 def test_settings_refuse_out_of_range_tuning_values(make, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         make()
+
+
+@pytest.fixture
+def restore_body_buffer():
+    import uvicorn.protocols.http.h11_impl as h11_impl
+    import uvicorn.protocols.http.httptools_impl as httptools_impl
+
+    saved = (httptools_impl.HIGH_WATER_LIMIT, h11_impl.HIGH_WATER_LIMIT, sys.getswitchinterval())
+    yield httptools_impl, h11_impl
+    httptools_impl.HIGH_WATER_LIMIT, h11_impl.HIGH_WATER_LIMIT = saved[:2]
+    sys.setswitchinterval(saved[2])
+
+
+def test_body_buffer_reaches_both_uvicorn_protocols(restore_body_buffer) -> None:
+    from service.api.server import set_body_buffer
+
+    httptools_impl, h11_impl = restore_body_buffer
+    changed = set_body_buffer(123_456)
+    assert set(changed) == {httptools_impl.__name__, h11_impl.__name__}
+    assert httptools_impl.HIGH_WATER_LIMIT == h11_impl.HIGH_WATER_LIMIT == 123_456
+
+
+def test_configure_process_applies_the_body_buffer_setting(restore_body_buffer) -> None:
+    httptools_impl, _ = restore_body_buffer
+    configure_process(ServiceSettings(http_body_buffer_kb=256))
+    assert httptools_impl.HIGH_WATER_LIMIT == 256 * 1024
+
+
+def test_settings_refuse_a_body_buffer_below_uvicorns_own() -> None:
+    with pytest.raises(ValueError, match="http_body_buffer_kb"):
+        ServiceSettings(http_body_buffer_kb=16)

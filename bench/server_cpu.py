@@ -1,0 +1,197 @@
+"""CPU the server spends per request under concurrent load, by thread: what caps one event loop's rate.
+
+    python bench/server_cpu.py [--rounds 2] [--seconds 6] [--concurrency 8] [--batches 1,8]
+
+On the GPU machine our service answered at most about 1,200-1,550 single-image requests/s while the load
+generator could send 6,500-9,000 (bench/results/service-2026-11-30-cuda-run6-raw.json): one event loop's
+CPU per request is the limit. This benchmark measures that CPU directly. A model that does almost nothing
+(GlobalAveragePool over [N, 3, 224, 224]: the demo model's 600 KB input per sample) is served on the CPU
+provider, the raw load generator of bench/service.py keeps ``--concurrency`` KServe V2 binary requests of
+each batch size in flight, and the server's CPU time is read from /proc per thread (the event loop's
+thread, ``main``, apart from the others: the engine thread and, on the CPU provider, ORT's own pool).
+
+Variants, alternating in rounds:
+
+- ``service`` and ``service_body_64k``: our server with its defaults, and with uvicorn's own 64 KiB
+  body buffer (``SERVICE_HTTP_BODY_BUFFER_KB=64``: uvicorn pauses the socket whenever more than that waits
+  for the app, so each image costs several pause/resume round trips through the event loop).
+- ``floor`` and ``floor_64k``: a bare ASGI app on the same uvicorn that reads the body and answers with as
+  many floats as the model would, with a 16 MiB and a 64 KiB body buffer.
+- ``floor_raw``: bench/raw_http_server.py, no framework (single-sample requests only: its answer is fixed).
+
+Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from bench.http_overhead import HEAP_KEPT_ENV, TOKEN, UPLOAD_HEADERS, light_model  # noqa: E402
+from bench.service import Server, binary_payload, run_point, running, service_server  # noqa: E402
+
+VARIANTS = ("service", "service_body_64k", "floor", "floor_64k", "floor_raw")
+SAMPLE_BYTES = 3 * 224 * 224 * 4
+FLOOR_APP = """
+import os, sys
+import uvicorn
+import uvicorn.protocols.http.httptools_impl as httptools_impl
+
+httptools_impl.HIGH_WATER_LIMIT = int(os.environ["FLOOR_BODY_BUFFER"])  # what the service's setting does
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = bytearray()
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    reply = b"{}" + bytes(12 * max(1, len(body) // SAMPLE_BYTES))  # 3 floats per sample, like the light model
+    headers = [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"2"),
+               (b"content-length", str(len(reply)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": reply})
+
+
+if __name__ == "__main__":
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 1]), log_level="warning",
+                http="httptools")
+""".replace("SAMPLE_BYTES", str(SAMPLE_BYTES))
+
+
+def make_server(name: str, work: Path) -> Server:
+    if name == "floor_raw":
+        command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
+        return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
+    if name.startswith("floor"):
+        script = work / "floor_app.py"
+        script.write_text(FLOOR_APP)
+        buffer = 64 * 1024 if name.endswith("64k") else 16 << 20
+        env = {**os.environ, **HEAP_KEPT_ENV, "FLOOR_BODY_BUFFER": str(buffer)}
+        return Server(name, [sys.executable, str(script)], env, "/", work / f"{name}.log")
+    env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
+    if name == "service_body_64k":
+        env["SERVICE_HTTP_BODY_BUFFER_KB"] = "64"
+    return service_server(name, work / "models", "cpu", work, **env)
+
+
+def thread_cpu_ticks(pid: int) -> dict[str, int]:
+    """User + system clock ticks per thread id of ``pid`` (from /proc/PID/task/TID/stat)."""
+    ticks = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        ticks[stat.parent.name] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Load at ``args.concurrency`` for ``args.seconds``; the server's CPU per request, main thread apart."""
+    sample = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+    payload = binary_payload("light", "input", "output", sample, 3)
+    run_point(server.url, payload, args.concurrency, 0.5, 1.5, client="raw")  # warm: buffers, batch sizes
+    assert server.process is not None
+    pid = server.process.pid
+    hz = os.sysconf("SC_CLK_TCK")
+    before = thread_cpu_ticks(pid)
+    point = run_point(server.url, payload, args.concurrency, 0.3, args.seconds, client="raw")
+    after = thread_cpu_ticks(pid)
+    if point.errors or not point.requests:
+        raise RuntimeError(f"{server.name} b{batch}: {point.errors} errors, first: {point.first_error}")
+    spent = {tid: (after[tid] - before.get(tid, 0)) / hz for tid in after}
+    main = spent.get(str(pid), 0.0)
+    per_request_ms = 1e3 / point.requests
+    return {
+        "requests_per_s": point.requests / point.seconds,
+        "p50_ms": common.percentile(point.latencies_ms, 50),
+        "cpu_ms_per_request": sum(spent.values()) * per_request_ms,
+        "main_thread_cpu_ms_per_request": main * per_request_ms,
+        "other_threads_cpu_ms_per_request": (sum(spent.values()) - main) * per_request_ms,
+    }
+
+
+def upload_light_model(url: str) -> None:
+    response = httpx.post(f"{url}/v1/models/light", content=light_model().SerializeToString(),
+                          headers=UPLOAD_HEADERS, timeout=120)
+    if response.status_code not in (201, 409):
+        raise RuntimeError(f"upload failed: {response.status_code} {response.text[:200]}")
+
+
+def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for index in range(args.rounds):
+        names = args.variants if index % 2 == 0 else args.variants[::-1]
+        for name in names:
+            with running(make_server(name, work), 120) as server:
+                if name.startswith("service"):
+                    upload_light_model(server.url)  # 409 after the first round: the store keeps it
+                for batch in args.batches:
+                    if name == "floor_raw" and batch > 1:
+                        continue
+                    result = measure(server, batch, args)
+                    samples.setdefault((name, batch), []).append(result)
+                    print(f"round {index + 1}: {name:17s} b{batch}: {result['requests_per_s']:7.0f} req/s, CPU "
+                          f"{result['cpu_ms_per_request']:.3f} ms/request (main thread "
+                          f"{result['main_thread_cpu_ms_per_request']:.3f})", flush=True)
+    rows = []
+    for (name, batch), results in samples.items():
+        row: dict[str, Any] = {"variant": name, "batch": batch}
+        for key in results[0]:
+            row[key] = statistics.median(r[key] for r in results)
+        row["rounds"] = results
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per point")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/server-cpu-<date>.json)")
+    args = parser.parse_args(argv)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi", "httptools", "uvloop"))
+    with tempfile.TemporaryDirectory(prefix="bench-server-cpu-") as tmp:
+        rows = run(args, Path(tmp))
+    document = {
+        "model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input per sample), CPU provider",
+        "client": f"bench/service.py raw load generator, {args.concurrency} requests in flight, one process",
+        "settings": {"rounds": args.rounds, "seconds": args.seconds, "concurrency": args.concurrency,
+                     "batches": args.batches, "variants": args.variants},
+        "rows": rows,
+    }
+    path = common.write_result("server-cpu", document, head=head,
+                               path=args.out or common.RESULTS_DIR / f"server-cpu-{head['date']}.json")
+    columns = ["variant", "batch", "requests_per_s", "p50_ms", "cpu_ms_per_request", "main_thread_cpu_ms_per_request",
+               "other_threads_cpu_ms_per_request"]
+    common.print_table(sorted(rows, key=lambda r: (r["batch"], r["variant"])), columns,
+                       title="server CPU per request (medians of rounds)", digits=3)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
