@@ -422,7 +422,8 @@ def ours_runners(engine: Any, name: str, batches: list[int], precision: str) -> 
     from service.runtime.engine import random_feeds
 
     info = engine.describe()
-    extra = {"variant": engine.variant, "cuda_graph": info["cuda_graph"], "prefer_nhwc": info["prefer_nhwc"]}
+    extra = {"variant": engine.variant, "cuda_graph": info["cuda_graph"], "prefer_nhwc": info["prefer_nhwc"],
+             "large_buckets": (info.get("large_buckets") or {}).get("buckets")}  # served by a second engine
     runners = []
     for batch in batches:
         runners.append(Runner(name, batch, f"ours_{precision}", lambda b=batch: engine.run_bound(b), info["nodes"],

@@ -72,6 +72,12 @@ class EngineSettings(BaseModel):
         "(a model loaded without the tuner gets off).",
     )
     autotune: bool = Field(True, description="Time candidate variants at load and serve the fastest (CUDA only).")
+    split_large_buckets: bool = Field(
+        True,
+        description="CUDA with graphs: the tuner also times configurations without CUDA graphs and serves the "
+        "buckets of 8 and up from one of them where it is at least 5% faster (e.g. fp16 at large batches while "
+        "small ones replay an fp32 graph).",
+    )
     autotune_budget_s: float = Field(60.0, ge=0.0, le=3600.0, description="Time budget of the load-time tuner.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="ORT intra-op threads on CPU (0: ORT default).")
 

@@ -34,6 +34,7 @@ from service.runtime.child import run_in_child
 from service.runtime.engine import Engine
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.providers import gpu_name, resolve_device
+from service.runtime.split_engine import SplitEngine
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ _B1_RUNS, _B1_MAX_S = 200, 0.4
 _BIG_RUNS, _BIG_MAX_S = 60, 0.8
 # process start, CUDA context, cuDNN's exhaustive search per new shape: on top of the timing budget
 _CHILD_OVERHEAD_S = 120.0
+SPLIT_MIN_BUCKET = 8  # smaller buckets always stay on the primary configuration (launch overhead rules there)
+SPLIT_MIN_GAIN = 0.05  # a bucket moves to the large-batch engine only when that is this much faster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +59,13 @@ class Config:
     prefer_nhwc: bool | None
     precision: str
     fuse_conv_bias: bool | None = None
+    cuda_graph: bool = True
 
     @property
     def key(self) -> str:
         layout = "cpu" if self.prefer_nhwc is None else ("nhwc" if self.prefer_nhwc else "nchw")
-        return f"{self.variant}/{layout}/{self.precision}" + ("/conv-bias-fused" if self.fuse_conv_bias else "")
+        key = f"{self.variant}/{layout}/{self.precision}" + ("/conv-bias-fused" if self.fuse_conv_bias else "")
+        return key if self.cuda_graph or self.prefer_nhwc is None else key + "/no-graph"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,7 +87,27 @@ def _configs(
         for name in fp16_names if prec == "fp16" else names:
             for nhwc in layouts:
                 configs.extend(Config(name, nhwc, prec, bias) for bias in _bias_options(candidates[name], settings))
-    return configs
+    if not settings.cuda_graph:  # every configuration runs without graphs
+        return [dataclasses.replace(c, cuda_graph=False) for c in configs]
+    return configs + _large_batch_configs(configs, candidates, settings)
+
+
+def _large_batch_configs(
+    configs: list[Config], candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings
+) -> list[Config]:
+    """Configurations without CUDA graphs, timed last, for the large buckets only (see split_engine).
+
+    Only graphs without FusedConv and the first layout (NHWC under "auto"): launch overhead hardly matters
+    at large batches, where fp16 with conv-bias fusion and no graph was fastest on an H200, and fp16 graphs
+    may not replay at all (bench/results/gpu-sharing-2026-11-30-h200-conv-bias.json)."""
+    if not settings.split_large_buckets or max(settings.buckets) < SPLIT_MIN_BUCKET:
+        return []
+    first_layout = configs[0].prefer_nhwc if configs else None
+    return [
+        dataclasses.replace(c, cuda_graph=False)
+        for c in configs
+        if c.prefer_nhwc == first_layout and not _has_fused_conv(candidates[c.variant])
+    ]
 
 
 def _bias_options(model: onnx.ModelProto, settings: EngineSettings) -> list[bool]:
@@ -159,6 +184,8 @@ def _time_config_child(
     """Child-process body: load one configuration (fp16: check it against fp32 first), time it, close it."""
     config = Config(**config_data)
     settings = EngineSettings(**settings_data)
+    if not config.cuda_graph:
+        settings = settings.model_copy(update={"cuda_graph": False})
     source = onnx.load_from_string(model_data)
     model = to_fp16(source) if config.precision == "fp16" else source
     outcome: dict[str, Any] = {}
@@ -208,6 +235,8 @@ def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: E
     model = candidates[config.variant]
     if config.precision == "fp16":
         model = to_fp16(model)
+    if not config.cuda_graph:
+        settings = settings.model_copy(update={"cuda_graph": False})
     return Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=config.fuse_conv_bias,
                        variant=config.key)
 
@@ -232,7 +261,7 @@ def select_variant(
     precision: str = "fp32",
     budget_s: float | None = None,
     cached_choice: dict | None = None,
-) -> tuple[Engine, dict]:
+) -> tuple[Engine | SplitEngine, dict]:
     """Return the fastest Engine among the candidates (others closed) and the JSON-able record."""
     if not candidates:
         raise ValueError("select_variant needs at least one candidate model")
@@ -248,7 +277,7 @@ def select_variant(
         engine = _load(candidates, cached, settings)
         record = dict(cached_choice or {})
         record["reused"] = True
-        return engine, record
+        return _with_cached_split(engine, candidates, settings, configs, record), record
     budget = settings.autotune_budget_s if budget_s is None else budget_s
     if not settings.autotune:
         # Still loaded and replayed in a child first: a configuration that crashes the CUDA context
@@ -263,7 +292,7 @@ def _tune(
     configs: list[Config],
     device: str,
     budget_s: float,
-) -> tuple[Engine, dict[str, Any]]:
+) -> tuple[Engine | SplitEngine, dict[str, Any]]:
     """Time every configuration in its own child process, then load only the winner in this one.
 
     Why children: on an H200 with ORT 1.31.1, creating and destroying several CUDA-graph sessions in one
@@ -275,7 +304,7 @@ def _tune(
     """
     started = time.monotonic()
     results = _time_configs(candidates, settings, configs, budget_s)
-    config = results.best(configs)
+    config = results.best([c for c in configs if c.cuda_graph]) or results.best(configs)
     extra = {"timings_ms": results.timings, "skipped": results.skipped, "fp16_checks": results.fp16_checks,
              "tuned_buckets": list(_tuning_buckets(settings)), "budget_s": budget_s}
     if config is not None:
@@ -287,11 +316,65 @@ def _tune(
         record = _record(config, device=device, reason=f"no configuration could be timed; {config.key} served",
                          **extra)
         logger.warning("autotune: %s (%s)", record["reason"], results.skipped)
+    engine: Engine | SplitEngine = _load(candidates, config, settings)
+    large = _large_batch_candidate(results, configs, config, settings)
+    if large is not None:
+        engine, record["split"] = _split(engine, candidates, large, settings)
     record["elapsed_s"] = round(time.monotonic() - started, 2)
-    engine = _load(candidates, config, settings)
     logger.info("autotune: chose %s (%s) in %.1fs; timings %s", config.key, record["reason"],
                 record["elapsed_s"], record.get("timings_ms"))
     return engine, record
+
+
+def _large_batch_candidate(
+    results: _Results, configs: list[Config], primary: Config, settings: EngineSettings
+) -> Config | None:
+    """The configuration fastest at the largest bucket, when it is not the primary and beats it there."""
+    if not settings.split_large_buckets or max(settings.buckets) < SPLIT_MIN_BUCKET:
+        return None
+    big = str(max(settings.buckets))
+    base = results.timings.get(primary.key, {}).get(big)
+    timed = [c for c in configs if c != primary and big in results.timings.get(c.key, {})]
+    if base is None or not timed:
+        return None
+    best = min(timed, key=lambda c: results.timings[c.key][big])
+    return best if results.timings[best.key][big] < (1.0 - SPLIT_MIN_GAIN) * base else None
+
+
+def _split(
+    primary: Engine, candidates: Mapping[str, onnx.ModelProto], large: Config, settings: EngineSettings
+) -> tuple[Engine | SplitEngine, dict[str, Any]]:
+    """Time the primary and the large-batch configuration at every bucket from SPLIT_MIN_BUCKET up, in this
+    process (the large one already ran in a child without crashing); the large one serves the buckets where
+    it is SPLIT_MIN_GAIN faster. Without such a bucket it is closed and the primary serves alone."""
+    sizes = tuple(b for b in primary.buckets if b >= SPLIT_MIN_BUCKET)
+    engine = _load(candidates, large, settings.model_copy(update={"buckets": sizes}))
+    timings = {str(b): {"primary": round(primary.time_batch(b, runs=40, max_s=0.5), 5),
+                        "large": round(engine.time_batch(b, runs=40, max_s=0.5), 5)} for b in sizes}
+    chosen = [b for b in sizes if timings[str(b)]["large"] < (1.0 - SPLIT_MIN_GAIN) * timings[str(b)]["primary"]]
+    record = {"choice": large.to_dict(), "buckets": chosen, "timings_ms": timings}
+    if not chosen:
+        engine.close()
+        return primary, record
+    logger.info("autotune: buckets %s served by %s (timings %s)", chosen, large.key, timings)
+    return SplitEngine(primary, engine, chosen), record
+
+
+def _with_cached_split(
+    engine: Engine, candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, configs: list[Config],
+    record: Mapping[str, Any],
+) -> Engine | SplitEngine:
+    """Rebuild a recorded split (same GPU and ORT version): the large-batch engine for its recorded buckets."""
+    split = record.get("split") or {}
+    try:
+        large = Config(**split["choice"])
+        buckets = tuple(b for b in split["buckets"] if b in engine.buckets)
+    except (KeyError, TypeError):
+        return engine
+    if large not in configs or not buckets:
+        return engine
+    other = _load(candidates, large, settings.model_copy(update={"buckets": buckets}))
+    return SplitEngine(engine, other, buckets)
 
 
 def _short_error(exc: BaseException) -> str:

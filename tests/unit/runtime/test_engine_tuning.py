@@ -22,6 +22,7 @@ from service.runtime.providers import cuda_status
 from service.settings import EngineSettings
 
 CPU = EngineSettings(device="cpu", buckets=(1, 2, 4))
+PLAIN_CHOICES = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off", split_large_buckets=False)
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +78,22 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
         "plain/nhwc/fp32", "plain/nhwc/fp32/conv-bias-fused", "plain/nchw/fp32", "plain/nchw/fp32/conv-bias-fused",
         "fused/nhwc/fp32", "fused/nchw/fp32",
         "plain/nhwc/fp16", "plain/nhwc/fp16/conv-bias-fused", "plain/nchw/fp16", "plain/nchw/fp16/conv-bias-fused",
+        # last, for the large buckets: no CUDA graph, first layout only, no FusedConv
+        "plain/nhwc/fp32/no-graph", "plain/nhwc/fp32/conv-bias-fused/no-graph",
+        "plain/nhwc/fp16/no-graph", "plain/nhwc/fp16/conv-bias-fused/no-graph",
     ]
-    forced = EngineSettings(prefer_nhwc="on", fuse_conv_bias="on")
+    assert all(not c.cuda_graph for c in autotune._configs(candidates, auto, "fp32")[-2:])
+    no_split = auto.model_copy(update={"split_large_buckets": False})
+    assert not any("no-graph" in c.key for c in autotune._configs(candidates, no_split, "auto"))
+    small = auto.model_copy(update={"buckets": (1, 4)})  # nothing for a large-batch engine to serve
+    assert not any("no-graph" in c.key for c in autotune._configs(candidates, small, "auto"))
+    graphless = auto.model_copy(update={"cuda_graph": False})
+    assert all(not c.cuda_graph for c in autotune._configs(candidates, graphless, "fp32"))
+    forced = EngineSettings(prefer_nhwc="on", fuse_conv_bias="on", split_large_buckets=False)
     assert [c.key for c in autotune._configs(candidates, forced, "fp32")] == [
         "plain/nhwc/fp32/conv-bias-fused", "fused/nhwc/fp32/conv-bias-fused",
     ]
-    fixed = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off")
+    fixed = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off", split_large_buckets=False)
     fp32 = [c.key for c in autotune._configs(candidates, fixed, "fp32")]
     assert fp32 == ["plain/nchw/fp32", "fused/nchw/fp32"]
     assert [c.key for c in autotune._configs(candidates, fixed, "fp16")] == ["plain/nchw/fp16"]
@@ -125,7 +136,7 @@ def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, on
 
 
 def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> None:
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off", fuse_conv_bias="off"), "fp32")
+    configs = autotune._configs(candidates, PLAIN_CHOICES, "fp32")
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=0.0)
     engine.close()
     assert list(record["timings_ms"]) == ["plain/nchw/fp32"]
@@ -138,7 +149,7 @@ def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, 
     try:
         assert engine.provider == "CPUExecutionProvider"
         assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32",
-                                    "fuse_conv_bias": None}
+                                    "fuse_conv_bias": None, "cuda_graph": True}
         assert record["timings_ms"] == {}
         assert "CPU" in record["reason"] and "fp16 not used" in record["reason"]
         x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
@@ -171,7 +182,7 @@ def test_a_configuration_that_crashes_costs_only_its_own_timing(
         return real(fn, args, timeout_s=timeout_s)
 
     monkeypatch.setattr(autotune, "run_in_child", crash_fp16)
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off", fuse_conv_bias="off"), "auto")
+    configs = autotune._configs(candidates, PLAIN_CHOICES, "auto")
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     engine.close()
     assert record["skipped"] == {"plain/nchw/fp16": "ChildProcessFailed: the child process died (exit code -11)"}
@@ -190,7 +201,7 @@ def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
     engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     try:
         assert record["choice"] == {"variant": "plain", "prefer_nhwc": False, "precision": "fp32",
-                                    "fuse_conv_bias": False}
+                                    "fuse_conv_bias": False, "cuda_graph": True}
         assert "no configuration could be timed" in record["reason"]
         assert engine.describe()["precision"] == "fp32"
     finally:

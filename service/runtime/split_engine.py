@@ -1,0 +1,92 @@
+"""Two engines of one model behind the Engine interface: small batches on one, large batches on the other.
+
+Why: the fastest way to run a model is not the same at every batch size. On an H200 (bench/results/
+gpu-sharing-2026-11-30-h200-conv-bias.json) MobileNetV3 at batch 1 is fastest as an fp32 CUDA graph
+(0.49 ms; without a graph the launches cost 1.1 ms or more), while at batch 64 the fastest is fp16 without a
+graph, with conv-bias fusion (1.93 ms against 3.19 for the fp32 graph; fp16 CUDA graphs crash on ONNX
+Runtime 1.31.1). The load-time tuner (service.runtime.autotune) times both kinds and, when another
+configuration wins the large buckets, serves those buckets from it and everything else from the primary.
+
+Contract: the same as Engine's (same inputs and outputs; one thread at a time). A batch goes to the engine
+that owns the bucket it pads up to; a batch above the largest bucket is chunked by that engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from service.runtime.engine import Engine
+
+
+class SplitEngine:
+    """``primary`` serves every bucket except ``large_buckets``, which ``large`` serves."""
+
+    def __init__(self, primary: Engine, large: Engine, large_buckets: Sequence[int]) -> None:
+        missing = sorted(set(large_buckets) - set(large.buckets))
+        if missing or not large_buckets:
+            raise ValueError(f"the large engine must hold every bucket it serves (missing {missing})")
+        if [s.to_dict() for s in primary.inputs] != [s.to_dict() for s in large.inputs]:
+            raise ValueError("the two engines must take the same inputs")
+        self.primary, self.large = primary, large
+        self.large_buckets = tuple(sorted(large_buckets))
+        self.inputs, self.outputs = primary.inputs, primary.outputs
+        self.provider = primary.provider
+        self.buckets = tuple(sorted(set(primary.buckets) | set(self.large_buckets)))
+        self.max_batch_size = self.buckets[-1]
+        self.variant = f"{primary.variant} + {large.variant} for {list(self.large_buckets)}"
+        self.load_s = primary.load_s + large.load_s
+
+    def bucket_for(self, n: int) -> int:
+        for bucket in self.buckets:
+            if n <= bucket:
+                return bucket
+        return self.buckets[-1]
+
+    def _engine_for(self, n: int) -> Engine:
+        return self.large if self.bucket_for(n) in self.large_buckets else self.primary
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = _batch_of(feeds)
+        return self._engine_for(n).run(feeds)
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        n = sum(_batch_of(part) for part in parts)
+        return self._engine_for(n).run_parts(parts)
+
+    def run_bound(self, batch: int) -> None:
+        self._engine_for(batch).run_bound(batch)
+
+    def time_batch(self, batch: int, **kwargs: Any) -> float:
+        return self._engine_for(batch).time_batch(batch, **kwargs)
+
+    def prepare_thread(self) -> None:
+        self.primary.prepare_thread()
+        self.large.prepare_thread()
+
+    def describe(self) -> dict[str, Any]:
+        info = self.primary.describe()
+        info.update(variant=self.variant, buckets=list(self.buckets), max_batch_size=self.max_batch_size,
+                    load_s=round(self.load_s, 3))
+        info["large_buckets"] = {"buckets": list(self.large_buckets), "engine": self.large.describe()}
+        return info
+
+    def close(self) -> None:
+        try:
+            self.large.close()
+        finally:
+            self.primary.close()
+
+    def __enter__(self) -> SplitEngine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _batch_of(feeds: Mapping[str, np.ndarray]) -> int:
+    """The leading dimension of the first input (the engine validates that all inputs agree)."""
+    first = next(iter(feeds.values()), None)
+    return int(first.shape[0]) if first is not None and np.ndim(first) else 0

@@ -1,0 +1,147 @@
+"""SplitEngine (large buckets on a second engine) and the tuner's decision to split, on the CPU provider.
+
+On CPU the two engines compute the same function (the plain and the FusedConv graph of one net), so every
+answer can be checked against a reference session while the routing is watched per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from engine_models import conv_relu_net
+
+from service.runtime import autotune
+from service.runtime.autotune import Config
+from service.runtime.engine import Engine
+from service.runtime.split_engine import SplitEngine
+from service.settings import EngineSettings
+
+CPU = EngineSettings(device="cpu", buckets=(1, 2, 4, 8, 16))
+
+
+@pytest.fixture(scope="module")
+def candidates() -> dict[str, onnx.ModelProto]:
+    return {"fused": conv_relu_net(fused=True), "plain": conv_relu_net(fused=False)}
+
+
+@pytest.fixture
+def split(candidates: dict[str, onnx.ModelProto]) -> Iterator[tuple[SplitEngine, list[str]]]:
+    primary = Engine.load(candidates["plain"], CPU, variant="primary")
+    large = Engine.load(candidates["fused"], CPU.model_copy(update={"buckets": (8, 16)}), variant="large")
+    calls: list[str] = []
+    for engine in (primary, large):
+        real_run, real_parts = engine.run, engine.run_parts
+        engine.run = lambda feeds, e=engine, r=real_run: (calls.append(e.variant), r(feeds))[1]
+        engine.run_parts = lambda parts, e=engine, r=real_parts: (calls.append(e.variant), r(parts))[1]
+    engine = SplitEngine(primary, large, [16])
+    yield engine, calls
+    engine.close()
+
+
+def reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def batch(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 3, 8, 8)).astype(np.float32)
+
+
+def test_each_batch_runs_on_the_engine_that_owns_its_bucket(
+    split: tuple[SplitEngine, list[str]], candidates: dict[str, onnx.ModelProto]
+) -> None:
+    engine, calls = split
+    assert engine.buckets == (1, 2, 4, 8, 16) and engine.max_batch_size == 16
+    for n, owner in [(1, "primary"), (8, "primary"), (9, "large"), (16, "large"), (40, "large")]:
+        calls.clear()
+        x = batch(n, seed=n)
+        got = engine.run({"x": x})["y"]
+        assert calls == [owner], n
+        np.testing.assert_allclose(got, reference(candidates["plain"], x), rtol=1e-4, atol=1e-5)
+    calls.clear()
+    parts = [{"x": batch(5, 1)}, {"x": batch(7, 2)}]  # 12 samples: bucket 16
+    got = engine.run_parts(parts)["y"]
+    assert set(calls) == {"large"} and got.shape == (12, 10)  # (run_parts may call run itself)
+    np.testing.assert_allclose(got, reference(candidates["plain"], np.concatenate([batch(5, 1), batch(7, 2)])),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_describe_names_both_engines_and_close_closes_both(split: tuple[SplitEngine, list[str]]) -> None:
+    engine, _ = split
+    info = engine.describe()
+    assert info["variant"] == "primary + large for [16]"
+    assert info["large_buckets"]["buckets"] == [16] and info["large_buckets"]["engine"]["variant"] == "large"
+    engine.close()
+    with pytest.raises(Exception, match="closed"):
+        engine.run({"x": batch(16)})
+    with pytest.raises(Exception, match="closed"):
+        engine.run({"x": batch(1)})
+
+
+def test_a_split_needs_the_large_engine_to_hold_its_buckets(candidates: dict[str, onnx.ModelProto]) -> None:
+    with (Engine.load(candidates["plain"], CPU) as primary,
+          Engine.load(candidates["fused"], CPU.model_copy(update={"buckets": (8,)})) as large):
+        with pytest.raises(ValueError, match="missing \\[16\\]"):
+            SplitEngine(primary, large, [16])
+        with pytest.raises(ValueError, match="missing"):
+            SplitEngine(primary, large, [])
+
+
+# ------------------------------------------------------------------------------------------- tuner
+def results_with(timings: dict[str, dict[str, float]]) -> autotune._Results:
+    results = autotune._Results()
+    results.timings.update(timings)
+    return results
+
+
+def test_large_batch_candidate_only_when_it_beats_the_primary_at_the_largest_bucket() -> None:
+    settings = EngineSettings(buckets=(1, 8, 64))
+    primary, other = Config("plain", True, "fp32", False), Config("plain", True, "fp16", True, cuda_graph=False)
+    configs = [primary, other]
+    fast = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1, "64": 1.9}})
+    assert autotune._large_batch_candidate(fast, configs, primary, settings) == other
+    close = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1, "64": 3.1}})
+    assert autotune._large_batch_candidate(close, configs, primary, settings) is None  # under 5 % faster
+    untimed = results_with({primary.key: {"1": 0.5}, other.key: {"1": 1.1, "64": 1.9}})
+    assert autotune._large_batch_candidate(untimed, configs, primary, settings) is None
+    off = settings.model_copy(update={"split_large_buckets": False})
+    assert autotune._large_batch_candidate(fast, configs, primary, off) is None
+
+
+def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timings are made up (on CPU both configurations run alike); the decision and the record are real."""
+    made_up = {("plain", 8): 1.0, ("plain", 16): 2.0, ("fused", 8): 0.99, ("fused", 16): 1.0}
+
+    def fake_time_batch(self: Engine, size: int, **_: object) -> float:
+        return made_up[(self.variant.split("/")[0], size)]
+
+    monkeypatch.setattr(Engine, "time_batch", fake_time_batch)
+    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    large = Config("fused", True, "fp32", False, cuda_graph=False)
+    engine, record = autotune._split(primary, candidates, large, CPU)
+    try:
+        assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)  # 8: only 1 % faster
+        assert record["choice"] == large.to_dict() and record["buckets"] == [16]
+        assert record["timings_ms"]["16"] == {"primary": 2.0, "large": 1.0}
+        configs = [Config("plain", True, "fp32", False), large]
+        rebuilt = autotune._with_cached_split(Engine.load(candidates["plain"], CPU), candidates, CPU, configs,
+                                              {"split": record})
+        assert isinstance(rebuilt, SplitEngine) and rebuilt.large_buckets == (16,)
+        rebuilt.close()
+        stale = autotune._with_cached_split(Engine.load(candidates["plain"], CPU), candidates, CPU, configs[:1],
+                                            {"split": record})  # its large configuration is not allowed now
+        assert isinstance(stale, Engine)
+        stale.close()
+    finally:
+        engine.close()
+    made_up[("fused", 16)] = 1.95  # nowhere 5 % faster: the large engine is closed, the primary serves alone
+    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    engine, record = autotune._split(primary, candidates, large, CPU)
+    assert engine is primary and record["buckets"] == []
+    engine.close()
