@@ -687,7 +687,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
         "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
-        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), client_ceiling "
+        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
+        "(SERVICE_ENGINE__CPU_SPINNING=false), client_ceiling "
         "(bench/raw_http_server.py: what the load generator can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
@@ -776,6 +777,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         ),
         "service_no_inline": lambda: service_server(
             "service_no_inline", model_dir, device, logs, SERVICE_BATCHING__INLINE_MAX_MS="0"
+        ),
+        "service_no_spin": lambda: service_server(
+            "service_no_spin", model_dir, device, logs, SERVICE_ENGINE__CPU_SPINNING="false"
         ),
         "service_body_64k": lambda: service_server(
             "service_body_64k", model_dir, device, logs, SERVICE_HTTP_BODY_BUFFER_KB="64"

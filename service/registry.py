@@ -101,6 +101,11 @@ def _short(text: object, limit: int = 64) -> str:
     return clean + ("..." if len(value) > limit else "")
 
 
+def _refused(input_name: str, reason: str) -> InvalidInputError:
+    """The error for one input (its texts are built only on this path: check_shape runs per request)."""
+    return InvalidInputError(f"input {_short(input_name)!r}: {reason}")
+
+
 def _shape_text(shape: Sequence[int | None]) -> str:
     return "[" + ", ".join("-1" if d is None else str(d) for d in shape) + "]"
 
@@ -194,26 +199,20 @@ class ModelVersion:
             dims = tuple(int(d) for d in shape)
         except (TypeError, ValueError):
             raise InvalidInputError(f"input {_short(name)!r}: the shape must be a list of integers") from None
-        label = f"input {_short(name)!r}"
-        expected = _shape_text(spec.shape)
-        received = _shape_text(dims)
         if len(dims) != len(spec.shape):
-            raise InvalidInputError(
-                f"{label}: expected shape {expected} (rank {len(spec.shape)}), "
-                f"received {received} (rank {len(dims)})"
-            )
+            raise _refused(name, f"expected shape {_shape_text(spec.shape)} (rank {len(spec.shape)}), "
+                                 f"received {_shape_text(dims)} (rank {len(dims)})")
         if dims[0] < 1:
-            raise InvalidInputError(f"{label}: batch size must be at least 1, received shape {received}")
+            raise _refused(name, f"batch size must be at least 1, received shape {_shape_text(dims)}")
         for got, want in zip(dims, spec.shape, strict=True):
             if got < 1 or (want is not None and got != want):
-                raise InvalidInputError(f"{label}: expected shape {expected}, received {received}")
+                raise _refused(name, f"expected shape {_shape_text(spec.shape)}, received {_shape_text(dims)}")
         if dims[0] > self.config.queue_size:
-            limit = self.config.queue_size
-            raise InvalidInputError(f"{label}: batch of {dims[0]} exceeds this model's limit of {limit}")
+            raise _refused(name, f"batch of {dims[0]} exceeds this model's limit of {self.config.queue_size}")
         per_sample = math.prod(dims[1:])
         total_bytes = per_sample * dims[0] * (itemsize or spec.dtype.itemsize)
         if per_sample > MAX_FIXED_ELEMENTS or total_bytes > self._max_input_bytes:
-            raise InvalidInputError(f"input {_short(name)!r}: shape {received} is too large")
+            raise _refused(name, f"shape {_shape_text(dims)} is too large")
         return dims[0]
 
     def validate_inputs(self, inputs: dict[str, np.ndarray]) -> int:

@@ -80,6 +80,11 @@ class EngineSettings(BaseModel):
     )
     autotune_budget_s: float = Field(60.0, ge=0.0, le=3600.0, description="Time budget of the load-time tuner.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="ORT intra-op threads on CPU (0: ORT default).")
+    cpu_spinning: bool = Field(
+        True,
+        description="CPU provider: let ORT's intra-op threads spin between runs (ORT's default; lower latency, "
+        "but the spinning threads take cores from the event loop).",
+    )
 
     @field_validator("fuse_conv_bias", mode="before")
     @classmethod

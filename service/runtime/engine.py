@@ -757,10 +757,17 @@ def _session_options(*, quiet: bool = False) -> ort.SessionOptions:
     return options
 
 
-def _cpu_session(data: bytes, settings: EngineSettings) -> ort.InferenceSession:
+def _cpu_session_options(settings: EngineSettings) -> ort.SessionOptions:
     options = _session_options()
     if settings.intra_op_threads:
         options.intra_op_num_threads = settings.intra_op_threads
+    if not settings.cpu_spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def _cpu_session(data: bytes, settings: EngineSettings) -> ort.InferenceSession:
+    options = _cpu_session_options(settings)
     try:
         return ort.InferenceSession(data, options, providers=[CPU])
     except Exception as exc:

@@ -237,3 +237,13 @@ def test_a_record_from_before_conv_bias_tuning_is_timed_again(candidates: dict[s
     assert autotune._cached_config(old, "GPU X", configs) is None
     new = {**old, "choice": Config("plain", False, "fp32", True).to_dict()}
     assert autotune._cached_config(new, "GPU X", configs) == Config("plain", False, "fp32", True)
+
+
+def test_cpu_sessions_spin_unless_told_not_to() -> None:
+    from service.runtime.engine import _cpu_session_options
+
+    with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ORT's default (spinning)
+        _cpu_session_options(EngineSettings()).get_session_config_entry("session.intra_op.allow_spinning")
+    quiet = _cpu_session_options(EngineSettings(cpu_spinning=False, intra_op_threads=2))
+    assert quiet.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert quiet.intra_op_num_threads == 2
