@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -75,14 +76,24 @@ class Metrics:
         self.loaded_models = Gauge(
             "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _labelled(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: prometheus-client rebuilds and checks the label tuple on every
+        call, several microseconds each, and a request records up to six series."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     # -- MetricsSink (called by the registry / batcher, possibly from engine threads) --------------------
     def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None:
-        self.batch_size.labels(model).observe(batch_size)
-        self.batch_seconds.labels(model).observe(compute_s)
+        self._labelled(self.batch_size, model).observe(batch_size)
+        self._labelled(self.batch_seconds, model).observe(compute_s)
 
     def set_queue_depth(self, model: str, version: int, depth: int) -> None:
-        self.queue_depth.labels(model, str(version)).set(depth)
+        self._labelled(self.queue_depth, model, str(version)).set(depth)
 
     def set_loaded_models(self, count: int) -> None:
         self.loaded_models.set(count)
@@ -98,17 +109,18 @@ class Metrics:
         compute_s: float | None = None,
     ) -> None:
         """Record one finished inference request (latencies only for successful ones)."""
-        self.requests.labels(model, endpoint, outcome).inc()
+        self._labelled(self.requests, model, endpoint, outcome).inc()
         if outcome != "success":
             return
-        self.request_seconds.labels(model, endpoint).observe(total_s)
+        self._labelled(self.request_seconds, model, endpoint).observe(total_s)
         if queue_s is not None:
-            self.queue_seconds.labels(model).observe(queue_s)
+            self._labelled(self.queue_seconds, model).observe(queue_s)
         if compute_s is not None:
-            self.compute_seconds.labels(model).observe(compute_s)
+            self._labelled(self.compute_seconds, model).observe(compute_s)
 
     def forget_version(self, model: str, version: int) -> None:
         """Drop the per-version series of a deleted model version."""
+        self._children.pop((id(self.queue_depth), (model, str(version))), None)
         with contextlib.suppress(KeyError):
             self.queue_depth.remove(model, str(version))
 

@@ -142,6 +142,11 @@ def _shape_text(shape: Sequence[int | None]) -> str:
     return "[" + ", ".join("-1" if d is None else str(d) for d in shape) + "]"
 
 
+def _wanted(spec: TensorSpec) -> str:
+    """An input's dtype and shape for error messages (built only when one is raised: _validate runs per call)."""
+    return f"{spec.dtype} {_shape_text(spec.shape)}"
+
+
 def _buckets(requested: Sequence[int], inputs: Sequence[TensorSpec]) -> tuple[int, ...]:
     """A model exported with a fixed batch size has exactly that one bucket."""
     fixed = {spec.shape[0] for spec in inputs if spec.shape[0] is not None}
@@ -556,18 +561,17 @@ class Engine:
             raise InvalidInputError(f"unknown input '{unknown[0]}'; the model's inputs are: {names}")
         batches: dict[str, int] = {}
         for spec in self.inputs:
-            want = f"{spec.dtype} {_shape_text(spec.shape)}"
             if spec.name not in feeds:
-                raise InvalidInputError(f"missing input '{spec.name}': expected {want}")
+                raise InvalidInputError(f"missing input '{spec.name}': expected {_wanted(spec)}")
             array = feeds[spec.name]
             if not isinstance(array, np.ndarray):
                 raise InvalidInputError(
-                    f"input '{spec.name}': expected a numpy array {want}, received {type(array).__name__}"
+                    f"input '{spec.name}': expected a numpy array {_wanted(spec)}, received {type(array).__name__}"
                 )
             problem = _mismatch(spec, array)
             if problem:
                 got = f"{array.dtype} {_shape_text(array.shape)}"
-                raise InvalidInputError(f"input '{spec.name}' has {problem}: expected {want}, received {got}")
+                raise InvalidInputError(f"input '{spec.name}' has {problem}: expected {_wanted(spec)}, received {got}")
             batches[spec.name] = array.shape[0]
         if len(set(batches.values())) > 1:
             detail = ", ".join(f"'{k}' has {v}" for k, v in batches.items())

@@ -48,5 +48,7 @@ def test_forget_version_drops_its_series() -> None:
     m.forget_version("net", 2)
     m.forget_version("net", 2)  # twice is fine
     assert not any(name == "service_queue_depth" for name, _ in _samples(m))
+    m.set_queue_depth("net", 2, 5)  # a version loaded again gets its series back (no stale cached child)
+    assert _samples(m)[("service_queue_depth", (("model", "net"), ("version", "2")))] == 5
     content_type = m.render()[1]
     assert content_type.startswith("text/plain")
