@@ -122,6 +122,32 @@ def test_split_engine_serves_large_buckets_from_fp16_without_graphs(tiny: onnx.M
                 assert rel_l2(got[name], expected) < 5e-2, (n, name)  # fp16 for n > 8
 
 
+def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
+    tiny: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole split path on the GPU: graphless configurations timed in children, the split decided (forced
+    here: any graphless configuration counts as faster), the record reused without timing."""
+    from service.runtime import autotune
+    from service.runtime.split_engine import SplitEngine
+
+    monkeypatch.setattr(autotune, "SPLIT_MIN_GAIN", -10.0)
+    settings = EngineSettings(device="cuda", buckets=(1, 8, 64), prefer_nhwc="on", fuse_conv_bias="off")
+    engine, record = select_variant({"plain": tiny}, settings, precision="fp32", budget_s=60)
+    try:
+        assert isinstance(engine, SplitEngine), record
+        assert record["split"]["buckets"] == [8, 64] and record["split"]["choice"]["cuda_graph"] is False
+        for seed, n in enumerate([1, 8, 40, 64]):
+            assert_matches_cpu(engine, tiny, n, seed)
+    finally:
+        engine.close()
+    again, reused = select_variant({"plain": tiny}, settings, precision="fp32", cached_choice=record)
+    try:
+        assert reused.get("reused") is True and isinstance(again, SplitEngine)
+        assert again.large_buckets == (8, 64)
+    finally:
+        again.close()
+
+
 def test_replayed_graph_gives_fresh_results(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
     for n in (1, 3, 64):
         first, second = feeds_for(tiny_engine, n, 100 + n), feeds_for(tiny_engine, n, 200 + n)
