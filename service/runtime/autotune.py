@@ -329,12 +329,15 @@ def _tune(
 def _large_batch_candidate(
     results: _Results, configs: list[Config], primary: Config, settings: EngineSettings
 ) -> Config | None:
-    """The configuration fastest at the largest bucket, when it is not the primary and beats it there."""
+    """The graphless configuration fastest at the largest bucket, when it beats the primary there.
+
+    Graphless only: the serving process may have to close it again (no bucket won), and creating and
+    closing CUDA-graph sessions in one process preceded replay crashes on ORT 1.31.1 (see _tune)."""
     if not settings.split_large_buckets or max(settings.buckets) < SPLIT_MIN_BUCKET:
         return None
     big = str(max(settings.buckets))
     base = results.timings.get(primary.key, {}).get(big)
-    timed = [c for c in configs if c != primary and big in results.timings.get(c.key, {})]
+    timed = [c for c in configs if not c.cuda_graph and c != primary and big in results.timings.get(c.key, {})]
     if base is None or not timed:
         return None
     best = min(timed, key=lambda c: results.timings[c.key][big])

@@ -110,6 +110,10 @@ def test_large_batch_candidate_only_when_it_beats_the_primary_at_the_largest_buc
     assert autotune._large_batch_candidate(untimed, configs, primary, settings) is None
     off = settings.model_copy(update={"split_large_buckets": False})
     assert autotune._large_batch_candidate(fast, configs, primary, off) is None
+    graph = Config("fused", True, "fp32", False)  # faster at 64 too, but a graph session: never a candidate
+    both = results_with({primary.key: {"1": 0.5, "64": 3.2}, graph.key: {"1": 0.6, "64": 1.0},
+                         other.key: {"1": 1.1, "64": 1.9}})
+    assert autotune._large_batch_candidate(both, [primary, graph, other], primary, settings) == other
 
 
 def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
