@@ -351,9 +351,18 @@ def _split(
     process (the large one already ran in a child without crashing); the large one serves the buckets where
     it is SPLIT_MIN_GAIN faster. Without such a bucket it is closed and the primary serves alone."""
     sizes = tuple(b for b in primary.buckets if b >= SPLIT_MIN_BUCKET)
-    engine = _load(candidates, large, settings.model_copy(update={"buckets": sizes}))
-    timings = {str(b): {"primary": round(primary.time_batch(b, runs=40, max_s=0.5), 5),
-                        "large": round(engine.time_batch(b, runs=40, max_s=0.5), 5)} for b in sizes}
+    try:
+        engine = _load(candidates, large, settings.model_copy(update={"buckets": sizes}))
+    except Exception as exc:  # it ran in its child; here it costs only the split, never the model
+        logger.warning("autotune: no split, %s did not load: %s", large.key, _short_error(exc))
+        return primary, {"choice": large.to_dict(), "buckets": [], "error": _short_error(exc)}
+    try:
+        timings = {str(b): {"primary": round(primary.time_batch(b, runs=40, max_s=0.5), 5),
+                            "large": round(engine.time_batch(b, runs=40, max_s=0.5), 5)} for b in sizes}
+    except Exception as exc:
+        engine.close()
+        logger.warning("autotune: no split, timing %s failed: %s", large.key, _short_error(exc))
+        return primary, {"choice": large.to_dict(), "buckets": [], "error": _short_error(exc)}
     chosen = [b for b in sizes if timings[str(b)]["large"] < (1.0 - SPLIT_MIN_GAIN) * timings[str(b)]["primary"]]
     record = {"choice": large.to_dict(), "buckets": chosen, "timings_ms": timings}
     if not chosen:

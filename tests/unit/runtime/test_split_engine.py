@@ -149,3 +149,23 @@ def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
     engine, record = autotune._split(primary, candidates, large, CPU)
     assert engine is primary and record["buckets"] == []
     engine.close()
+
+
+def test_a_large_engine_that_fails_to_load_costs_the_split_only(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_load = autotune._load
+
+    def failing_load(cands, config, settings):
+        if not config.cuda_graph:
+            raise RuntimeError("CUDA failure 700: an illegal memory access was encountered")
+        return real_load(cands, config, settings)
+
+    monkeypatch.setattr(autotune, "_load", failing_load)
+    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    engine, record = autotune._split(primary, candidates, Config("fused", True, "fp32", False, cuda_graph=False), CPU)
+    try:
+        assert engine is primary and record["buckets"] == [] and "illegal memory access" in record["error"]
+        assert engine.run({"x": batch(16)})["y"].shape == (16, 10)  # the primary still serves every bucket
+    finally:
+        engine.close()
