@@ -100,7 +100,7 @@ def _large_batch_configs(
     Only graphs without FusedConv and the first layout (NHWC under "auto"): launch overhead hardly matters
     at large batches, where fp16 with conv-bias fusion and no graph was fastest on an H200, and fp16 graphs
     may not replay at all (bench/results/gpu-sharing-2026-11-30-h200-conv-bias.json)."""
-    if not settings.split_large_buckets or max(settings.buckets) < SPLIT_MIN_BUCKET:
+    if not _splits(settings):
         return []
     first_layout = configs[0].prefer_nhwc if configs else None
     return [
@@ -108,6 +108,11 @@ def _large_batch_configs(
         for c in configs
         if c.prefer_nhwc == first_layout and not _has_fused_conv(candidates[c.variant])
     ]
+
+
+def _splits(settings: EngineSettings) -> bool:
+    """Whether large buckets may go to a second engine: asked for, and there are buckets that large."""
+    return settings.split_large_buckets and max(settings.buckets) >= SPLIT_MIN_BUCKET
 
 
 def _bias_options(model: onnx.ModelProto, settings: EngineSettings) -> list[bool]:
@@ -184,13 +189,9 @@ def _time_config_child(
     """Child-process body: load one configuration (fp16: check it against fp32 first), time it, close it."""
     config = Config(**config_data)
     settings = EngineSettings(**settings_data)
-    if not config.cuda_graph:
-        settings = settings.model_copy(update={"cuda_graph": False})
     source = onnx.load_from_string(model_data)
-    model = to_fp16(source) if config.precision == "fp16" else source
     outcome: dict[str, Any] = {}
-    with Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=config.fuse_conv_bias,
-                     variant=config.key) as engine:
+    with _load_model(source, config, settings) as engine:
         if config.precision == "fp16":
             cpu = settings.model_copy(update={"device": "cpu", "buckets": (2,)})
             with Engine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
@@ -232,7 +233,11 @@ def _cached_config(
 
 
 def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: EngineSettings) -> Engine:
-    model = candidates[config.variant]
+    return _load_model(candidates[config.variant], config, settings)
+
+
+def _load_model(model: onnx.ModelProto, config: Config, settings: EngineSettings) -> Engine:
+    """``model`` (fp32) as ``config`` says: its precision, layout, conv-bias fusion and CUDA graphs."""
     if config.precision == "fp16":
         model = to_fp16(model)
     if not config.cuda_graph:
@@ -333,7 +338,7 @@ def _large_batch_candidate(
 
     Graphless only: the serving process may have to close it again (no bucket won), and creating and
     closing CUDA-graph sessions in one process preceded replay crashes on ORT 1.31.1 (see _tune)."""
-    if not settings.split_large_buckets or max(settings.buckets) < SPLIT_MIN_BUCKET:
+    if not _splits(settings):
         return None
     big = str(max(settings.buckets))
     base = results.timings.get(primary.key, {}).get(big)
@@ -351,17 +356,15 @@ def _split(
     process (the large one already ran in a child without crashing); the large one serves the buckets where
     it is SPLIT_MIN_GAIN faster. Without such a bucket it is closed and the primary serves alone."""
     sizes = tuple(b for b in primary.buckets if b >= SPLIT_MIN_BUCKET)
+    engine = None
     try:
         engine = _load(candidates, large, settings.model_copy(update={"buckets": sizes}))
-    except Exception as exc:  # it ran in its child; here it costs only the split, never the model
-        logger.warning("autotune: no split, %s did not load: %s", large.key, _short_error(exc))
-        return primary, {"choice": large.to_dict(), "buckets": [], "error": _short_error(exc)}
-    try:
         timings = {str(b): {"primary": round(primary.time_batch(b, runs=40, max_s=0.5), 5),
                             "large": round(engine.time_batch(b, runs=40, max_s=0.5), 5)} for b in sizes}
-    except Exception as exc:
-        engine.close()
-        logger.warning("autotune: no split, timing %s failed: %s", large.key, _short_error(exc))
+    except Exception as exc:  # it ran in its child; here it costs only the split, never the model
+        if engine is not None:
+            engine.close()
+        logger.warning("autotune: no split, %s failed here: %s", large.key, _short_error(exc))
         return primary, {"choice": large.to_dict(), "buckets": [], "error": _short_error(exc)}
     chosen = [b for b in sizes if timings[str(b)]["large"] < (1.0 - SPLIT_MIN_GAIN) * timings[str(b)]["primary"]]
     record = {"choice": large.to_dict(), "buckets": chosen, "timings_ms": timings}
