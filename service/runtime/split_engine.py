@@ -22,28 +22,26 @@ from service.runtime.engine import Engine
 
 
 class SplitEngine:
-    """``primary`` serves every bucket except ``large_buckets``, which ``large`` serves."""
+    """``primary`` holds every bucket and serves all but ``large_buckets``, which ``large`` serves."""
 
     def __init__(self, primary: Engine, large: Engine, large_buckets: Sequence[int]) -> None:
         missing = sorted(set(large_buckets) - set(large.buckets))
         if missing or not large_buckets:
             raise ValueError(f"the large engine must hold every bucket it serves (missing {missing})")
+        if not set(large_buckets) <= set(primary.buckets):
+            raise ValueError("the primary engine must hold every bucket (it decides which bucket a batch takes)")
         if [s.to_dict() for s in primary.inputs] != [s.to_dict() for s in large.inputs]:
             raise ValueError("the two engines must take the same inputs")
         self.primary, self.large = primary, large
         self.large_buckets = tuple(sorted(large_buckets))
         self.inputs, self.outputs = primary.inputs, primary.outputs
         self.provider = primary.provider
-        self.buckets = tuple(sorted(set(primary.buckets) | set(self.large_buckets)))
-        self.max_batch_size = self.buckets[-1]
+        self.buckets, self.max_batch_size = primary.buckets, primary.max_batch_size
         self.variant = f"{primary.variant} + {large.variant} for {list(self.large_buckets)}"
         self.load_s = primary.load_s + large.load_s
 
     def bucket_for(self, n: int) -> int:
-        for bucket in self.buckets:
-            if n <= bucket:
-                return bucket
-        return self.buckets[-1]
+        return self.primary.bucket_for(n)
 
     def _engine_for(self, n: int) -> Engine:
         return self.large if self.bucket_for(n) in self.large_buckets else self.primary
