@@ -8,9 +8,10 @@ One KServe V2 binary request is sent at a time on a kept-alive connection with h
 latency is HTTP + decoding + batcher + engine call + response, and the engine's own part is measured
 alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
 ``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
-the same size; ``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is
-installed); ``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol
-answering from its receive buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
+the same size (bench/floor_app.py; with Content-Length since 2026-11-30, chunked before);
+``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is installed);
+``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol answering
+from its receive buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
 ``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
 glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request.
 ``service_no_inline`` sends every request through the engine thread (``SERVICE_BATCHING__INLINE_MAX_MS=0``),
@@ -68,33 +69,6 @@ HEAP_KEPT_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(heap.MMAP_THRESHOLD_MAX),
     "MALLOC_TRIM_THRESHOLD_": str(ServiceSettings.model_fields["heap_keep_mb"].default << 20),
 }
-FLOOR_APP = """
-import uvicorn
-
-REPLY = b"{}" + bytes(12)
-
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    body = bytearray()
-    more = True
-    while more:
-        message = await receive()
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-    headers = [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"2")]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": REPLY})
-
-
-if __name__ == "__main__":
-    import sys
-
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 1]), log_level="warning")
-"""
-
-
 UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
 
 
@@ -103,9 +77,7 @@ def variant_server(name: str, work: Path, index: int) -> Server:
         command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
         return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
     if name.startswith("floor"):
-        script = work / "floor_app.py"
-        script.write_text(FLOOR_APP)
-        command = [sys.executable, str(script)]
+        command = [sys.executable, str(ROOT / "bench" / "floor_app.py")]
         if name == "floor_granian":  # the same app on granian, a Rust HTTP server (pip install granian)
             command = [
                 sys.executable,
@@ -119,7 +91,7 @@ def variant_server(name: str, work: Path, index: int) -> Server:
                 "--log-level",
                 "warning",
                 "--working-dir",
-                str(work),
+                str(ROOT / "bench"),
                 "floor_app:app",
             ]
         env = {**os.environ, **(HEAP_KEPT_ENV if name == "floor_heap_kept" else {})}

@@ -44,47 +44,14 @@ from bench.http_overhead import HEAP_KEPT_ENV, TOKEN, UPLOAD_HEADERS, light_mode
 from bench.service import Server, binary_payload, run_point, running, service_server  # noqa: E402
 
 VARIANTS = ("service", "service_body_64k", "floor", "floor_64k", "floor_raw")
-SAMPLE_BYTES = 3 * 224 * 224 * 4
-FLOOR_APP = """
-import os, sys
-import uvicorn
-import uvicorn.protocols.http.httptools_impl as httptools_impl
-
-httptools_impl.HIGH_WATER_LIMIT = int(os.environ["FLOOR_BODY_BUFFER"])  # what the service's setting does
-
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    body = bytearray()
-    more = True
-    while more:
-        message = await receive()
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-    reply = b"{}" + bytes(12 * max(1, len(body) // SAMPLE_BYTES))  # 3 floats per sample, like the light model
-    headers = [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"2"),
-               (b"content-length", str(len(reply)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": reply})
-
-
-if __name__ == "__main__":
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[sys.argv.index("--port") + 1]), log_level="warning",
-                http="httptools")
-""".replace("SAMPLE_BYTES", str(SAMPLE_BYTES))
-
-
 def make_server(name: str, work: Path) -> Server:
     if name == "floor_raw":
         command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
         return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
     if name.startswith("floor"):
-        script = work / "floor_app.py"
-        script.write_text(FLOOR_APP)
         buffer = 64 * 1024 if name.endswith("64k") else 16 << 20
         env = {**os.environ, **HEAP_KEPT_ENV, "FLOOR_BODY_BUFFER": str(buffer)}
-        return Server(name, [sys.executable, str(script)], env, "/", work / f"{name}.log")
+        return Server(name, [sys.executable, str(ROOT / "bench" / "floor_app.py")], env, "/", work / f"{name}.log")
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
     if name == "service_body_64k":
         env["SERVICE_HTTP_BODY_BUFFER_KB"] = "64"
