@@ -75,6 +75,17 @@ SERIES_OF = {
 }
 """Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the variants are
 about binary; the ceiling server's fixed answer fits single-sample requests only."""
+SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
+    "service": {},
+    "service_nobatch": {"SERVICE_BATCHING__ENABLED": "false"},
+    "service_gil5": {"SERVICE_GIL_SWITCH_INTERVAL_MS": "5"},
+    "service_heap_default": {"SERVICE_HEAP_KEEP_MB": "0"},
+    "service_no_inline": {"SERVICE_BATCHING__INLINE_MAX_MS": "0"},
+    "service_no_spin": {"SERVICE_ENGINE__CPU_SPINNING": "false"},
+    "service_body_64k": {"SERVICE_HTTP_BODY_BUFFER_KB": "64"},
+}
+"""Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``): the settings each
+one changes."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -652,22 +663,23 @@ def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[
         "single_request_ratio_async_client": _ratio(single and single["p50_ms"], engine_p50),
         "http_overhead_ms": (alone["p50_ms"] - engine_p50) if alone else None,
         f"throughput_c{high}_vs_c{low}": _ratio(many and many["throughput"], single and single["throughput"]),
-        "best_engine_fraction": max(
-            (r["engine_fraction"] for r in rows if r["server"] == server and r["engine_fraction"]),
-            default=None,
-        ),
-        "best_engine_fraction_by_series": {
-            series: max(r["engine_fraction"] for r in rows
-                        if r["server"] == server and r["series"] == series and r["engine_fraction"])
-            for series in sorted({r["series"] for r in rows if r["server"] == server and r["engine_fraction"]})
-        },
+        "best_engine_fraction_by_series": _best_fraction_by_series(rows, server),
     }
+    summary["best_engine_fraction"] = max(summary["best_engine_fraction_by_series"].values(), default=None)
     summary["targets"] = {
         "single_request_ratio<=1.5": _check(summary["single_request_ratio"], lambda v: v <= 1.5),
         f"throughput_c{high}_vs_c{low}>=3": _check(summary[f"throughput_c{high}_vs_c{low}"], lambda v: v >= 3),
         "engine_fraction>=0.8 (GPU target)": _check(summary["best_engine_fraction"], lambda v: v >= 0.8),
     }
     return summary
+
+
+def _best_fraction_by_series(rows: list[dict], server: str) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for r in rows:
+        if r["server"] == server and r["engine_fraction"]:
+            best[r["series"]] = max(best.get(r["series"], 0.0), r["engine_fraction"])
+    return dict(sorted(best.items()))
 
 
 def _check(value: float | None, test: Callable[[float], bool]) -> bool | None:
@@ -762,31 +774,12 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     eng = measure_engine(model_dir, device, batches, max_s=1.0 if args.quick else 3.0)
     rows: list[dict] = []
     servers = {
-        "service": lambda: service_server("service", model_dir, device, logs),
-        "service_nobatch": lambda: service_server(
-            "service_nobatch", model_dir, device, logs, SERVICE_BATCHING__ENABLED="false"
-        ),
-        "service_workers": lambda: service_server(
-            "service_workers", model_dir, device, logs, SERVICE_WORKERS=str(args.workers)
-        ),
-        "service_gil5": lambda: service_server(
-            "service_gil5", model_dir, device, logs, SERVICE_GIL_SWITCH_INTERVAL_MS="5"
-        ),
-        "service_heap_default": lambda: service_server(
-            "service_heap_default", model_dir, device, logs, SERVICE_HEAP_KEEP_MB="0"
-        ),
-        "service_no_inline": lambda: service_server(
-            "service_no_inline", model_dir, device, logs, SERVICE_BATCHING__INLINE_MAX_MS="0"
-        ),
-        "service_no_spin": lambda: service_server(
-            "service_no_spin", model_dir, device, logs, SERVICE_ENGINE__CPU_SPINNING="false"
-        ),
-        "service_body_64k": lambda: service_server(
-            "service_body_64k", model_dir, device, logs, SERVICE_HTTP_BODY_BUFFER_KB="64"
-        ),
         "naive": lambda: naive_server(original, device, logs),
         "client_ceiling": lambda: ceiling_server(per_sample_out, logs),
     }
+    variant_env = {**SERVICE_VARIANT_ENV, "service_workers": {"SERVICE_WORKERS": str(args.workers)}}
+    for name, env in variant_env.items():
+        servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
     for name in args.servers:
         server = servers[name]()
         usable = [p for p in payloads if any(fnmatch.fnmatch(p.series, pat) for pat in SERIES_OF.get(name, "*"))]
