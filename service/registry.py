@@ -198,7 +198,7 @@ class ModelVersion:
         try:
             dims = tuple(int(d) for d in shape)
         except (TypeError, ValueError):
-            raise InvalidInputError(f"input {_short(name)!r}: the shape must be a list of integers") from None
+            raise _refused(name, "the shape must be a list of integers") from None
         if len(dims) != len(spec.shape):
             raise _refused(name, f"expected shape {_shape_text(spec.shape)} (rank {len(spec.shape)}), "
                                  f"received {_shape_text(dims)} (rank {len(dims)})")
