@@ -67,6 +67,7 @@ DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
     "naive": ("json",),
     "service_workers": ("binary", "binary_b*"),
+    "service_workers_own": ("binary", "binary_b*"),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
@@ -84,8 +85,8 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
     "service_no_spin": {"SERVICE_ENGINE__CPU_SPINNING": "false"},
     "service_body_64k": {"SERVICE_HTTP_BODY_BUFFER_KB": "64"},
 }
-"""Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``): the settings each
-one changes."""
+"""Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process;
+``service_workers_own`` the same workers with their own engines): the settings each one changes."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -696,7 +697,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--servers",
         default="service,service_nobatch,naive",
-        help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers), "
+        help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers, "
+        "one engine process), service_workers_own (the same, each worker with its own engines), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
         "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
         "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
@@ -777,7 +779,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         "naive": lambda: naive_server(original, device, logs),
         "client_ceiling": lambda: ceiling_server(per_sample_out, logs),
     }
-    variant_env = {**SERVICE_VARIANT_ENV, "service_workers": {"SERVICE_WORKERS": str(args.workers)}}
+    workers = {"SERVICE_WORKERS": str(args.workers)}
+    variant_env = {**SERVICE_VARIANT_ENV, "service_workers": workers,
+                   "service_workers_own": {**workers, "SERVICE_ENGINE_PROCESS": "false"}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
     for name in args.servers:

@@ -45,6 +45,7 @@ from service.errors import (
 from service.model_config import EffectiveConfig, ModelConfig
 from service.optimizer_worker import OptimizeOutcome, OptimizerRunner
 from service.runtime.batcher import Batcher
+from service.runtime.loading import EngineLoader, load_in_process
 from service.runtime.types import KSERVE_TO_NUMPY, TensorSpec
 from service.settings import ServiceSettings
 from service.store import ORIGINAL, ModelStore, cache_key, sha256_file
@@ -184,6 +185,7 @@ class ModelVersion:
             "created": self.metadata.get("created"),
             "sha256": (self.metadata.get("original") or {}).get("sha256"),
             "engine": self.metadata.get("engine"),
+            "provider": getattr(self._engine, "provider", None),
             "report": self.report,
         }
 
@@ -369,7 +371,8 @@ class ModelRegistry:
     ``prepare_store``: clean the store's leftovers and install the demo model at start (only one process
     may do that: another worker's upload in progress would be a "leftover"). ``follow_store``: with
     several worker processes on one store, look every ``store_sync_s`` for versions other workers added
-    or deleted, and load or unload them here.
+    or deleted, and load or unload them here. ``engine_loader``: where engines are built (default: in this
+    process; a worker of several asks the engine process, ``service.runtime.remote_engine``).
     """
 
     def __init__(
@@ -379,8 +382,10 @@ class ModelRegistry:
         *,
         prepare_store: bool = True,
         follow_store: bool = False,
+        engine_loader: EngineLoader = load_in_process,
     ) -> None:
         self.settings = settings
+        self._engine_loader = engine_loader
         self.metrics = metrics
         self.prepare_store = prepare_store
         self.follow_store = follow_store
@@ -743,17 +748,14 @@ class ModelRegistry:
 
     async def _load(self, mv: ModelVersion) -> None:
         """Load the engine (the tuner picks a variant; its record is stored), start the batcher, warm."""
-        from service.runtime.autotune import select_variant
-
-        candidates = await asyncio.to_thread(self._read_candidates, mv)
         engine, record = await asyncio.to_thread(
-            select_variant,
-            candidates,
+            self._engine_loader,
+            self._candidate_files(mv),
             mv.config.engine_settings(self.settings),
             precision=mv.config.precision,
             cached_choice=mv.metadata.get("engine"),
+            batch_limit=mv.config.max_batch_size,
         )
-        del candidates
         try:
             if record != mv.metadata.get("engine"):
                 mv.metadata = dict(mv.metadata, engine=record)
@@ -764,14 +766,10 @@ class ModelRegistry:
                 await asyncio.to_thread(engine.close)
             raise
 
-    def _read_candidates(self, mv: ModelVersion) -> dict[str, Any]:
-        from service.optimizer.io import load_model_file
-
+    def _candidate_files(self, mv: ModelVersion) -> dict[str, Path]:
+        """The optimized variants of a version: variant name -> model file."""
         variants = (mv.metadata.get("optimization") or {}).get("variants") or {}
-        return {
-            name: load_model_file(self.store.file_path(mv.name, mv.version, entry["file"]))
-            for name, entry in variants.items()
-        }
+        return {name: self.store.file_path(mv.name, mv.version, entry["file"]) for name, entry in variants.items()}
 
     def _update_loaded(self) -> None:
         if self.metrics is not None:

@@ -137,6 +137,12 @@ class ServiceSettings(BaseSettings):
         description="Server processes sharing the port, each with its own engines (one event loop caps HTTP "
         "throughput; on a GPU they share the device).",
     )
+    engine_process: bool = Field(
+        True,
+        description="With workers > 1: one engine process owns the device and runs every worker's batches "
+        "(one CUDA context; one engine per model version; batches of several workers merged). Off: each "
+        "worker loads its own engines (separate CUDA contexts take turns on the GPU).",
+    )
     store_sync_s: float = Field(
         2.0, gt=0.0, le=3600.0, description="With workers > 1: how often a worker picks up other workers' "
         "uploads and deletes.",

@@ -57,9 +57,15 @@ def create_app(
     role = role or WorkerRole()
     if registry is None:
         from service.registry import ModelRegistry
+        from service.runtime.loading import load_in_process
+        from service.runtime.remote_engine import RemoteEngineLoader
 
         registry = ModelRegistry(
-            settings, metrics=metrics, prepare_store=role.prepare_store, follow_store=role.follow_store
+            settings,
+            metrics=metrics,
+            prepare_store=role.prepare_store,
+            follow_store=role.follow_store,
+            engine_loader=load_in_process if role.engine_host is None else RemoteEngineLoader(role.engine_host),
         )
     app = ServiceApp(
         title="onnx-cnn-serve",

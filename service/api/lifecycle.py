@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 if TYPE_CHECKING:
     from service.registry import ModelRegistry
+    from service.runtime.engine_host import HostAddress
 
 log = logging.getLogger("service.api")
 
@@ -33,12 +34,14 @@ class WorkerRole:
     accept connections while models load (liveness answers, readiness says "loading"); the later workers
     accept only once loaded, so a shared port never routes to a worker that cannot serve.
     ``on_started``: called once the registry's startup has finished (successfully or not).
+    ``engine_host``: where the engine process listens, when the workers share one (else engines are local).
     """
 
     prepare_store: bool = True
     follow_store: bool = False
     serve_before_ready: bool = True
     on_started: Callable[[], None] | None = None
+    engine_host: HostAddress | None = None
 
 
 class Lifecycle:

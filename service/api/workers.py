@@ -42,11 +42,14 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from service.runtime.engine_host import HostAddress
+from service.runtime.shared_buffer import buffer_folder
 from service.settings import ServiceSettings
 
 from .server import configure_process, run_server
@@ -69,15 +72,24 @@ def serve_workers(settings: ServiceSettings) -> int:
         return 1
     metrics_dir = Path(tempfile.mkdtemp(prefix="service-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
+    engine_dir = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
+    address = engine_host_address(engine_dir) if settings.engine_process else None
     try:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"listening on http://{shown}:{port} ({settings.workers} workers)", flush=True)
-        return Supervisor(settings, sock).run()
+        shared = ", one engine process" if address is not None else ""
+        print(f"listening on http://{shown}:{port} ({settings.workers} workers{shared})", flush=True)
+        return Supervisor(settings, sock, address).run()
     finally:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(engine_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def engine_host_address(folder: Path) -> HostAddress:
+    """The engine process's socket and buffers in ``folder`` (private to this user), with a fresh key."""
+    return HostAddress(socket_path=str(folder / "engine.sock"), authkey=os.urandom(32), buffer_dir=str(folder))
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -118,27 +130,51 @@ class _Worker:
 class Supervisor:
     """Starts, watches, restarts and stops the worker processes."""
 
-    def __init__(self, settings: ServiceSettings, reserved: socket.socket) -> None:
+    def __init__(self, settings: ServiceSettings, reserved: socket.socket, engine_host: HostAddress | None = None):
         self.settings = settings
         self.host, self.port = settings.host, int(reserved.getsockname()[1])
         self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
         self.workers: dict[int, _Worker] = {}
+        self.engine_host = engine_host
+        self.engine_process: Any = None
         self.stopping = False
         self.restarts: collections.deque[float] = collections.deque()
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            first = self._start(0, first_start=True)
-            self._wait_started(first)
-            for index in range(1, self.settings.workers):
-                if not self.stopping:
-                    self._start(index, first_start=False)
+            if not self._start_all(first_start=True):
+                return 1
             return self._watch()
         finally:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _start_all(self, *, first_start: bool) -> bool:
+        """The engine process (if any) until it listens, worker 0 until loaded, then the others."""
+        if self.engine_host is not None and not self._start_engine_process():
+            return False
+        first = self._start(0, first_start=first_start)
+        self._wait_started(first)
+        for index in range(1, self.settings.workers):
+            if not self.stopping:
+                self._start(index, first_start=False)
+        return True
+
+    def _start_engine_process(self) -> bool:
+        ready = self.ctx.Event()
+        args = (self.settings, self.engine_host, ready)
+        process = self.ctx.Process(target=_engine_process_main, args=args, name="service-engines")
+        process.start()
+        log.info("engine process started (pid %d)", process.pid)
+        self.engine_process = process
+        while not (self.stopping or ready.is_set() or not process.is_alive()):
+            ready.wait(_POLL_S)
+        if not ready.is_set() and not self.stopping:
+            log.error("the engine process exited with %s before it listened", process.exitcode)
+            return False
+        return True
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: stopping %d worker(s)", signal.Signals(signum).name, len(self.workers))
@@ -146,7 +182,7 @@ class Supervisor:
 
     def _start(self, index: int, *, first_start: bool) -> _Worker:
         started = self.ctx.Event()
-        args = (self.settings, self.host, self.port, index, first_start and index == 0, started)
+        args = (self.settings, self.host, self.port, index, first_start and index == 0, started, self.engine_host)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
@@ -162,7 +198,13 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             sentinels = [w.process.sentinel for w in self.workers.values()]
+            if self.engine_process is not None:
+                sentinels.append(self.engine_process.sentinel)
             multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
+            if not self.stopping and self.engine_process is not None and not self.engine_process.is_alive():
+                if not self._restart_everything():
+                    return 1
+                continue
             for worker in list(self.workers.values()):
                 if self.stopping or worker.process.is_alive():
                     continue
@@ -175,6 +217,19 @@ class Supervisor:
                 self._start(worker.index, first_start=False)
         return 0
 
+    def _restart_everything(self) -> bool:
+        """The engine process died: every worker's engines went with it, so all start again."""
+        log.error("the engine process (pid %d) exited with %s: restarting it and every worker",
+                  self.engine_process.pid, self.engine_process.exitcode)
+        while True:
+            if not self._may_restart():
+                log.error("%d restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
+                return False
+            self._stop_workers()
+            self.workers.clear()
+            if self._start_all(first_start=False) or self.stopping:
+                return True
+
     def _may_restart(self) -> bool:
         now = time.monotonic()
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
@@ -185,6 +240,19 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
+        """The workers (they drain and let go of their engines), then the engine process."""
+        self._stop_workers()
+        process, self.engine_process = self.engine_process, None
+        if process is not None:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+            process.join(_KILL_AFTER_GRACE_S)
+            if process.is_alive():
+                log.error("the engine process did not stop in time: killing it")
+                process.kill()
+                process.join(5)
+
+    def _stop_workers(self) -> None:
         """SIGTERM to every worker (each drains like a single server), then wait; kill what overstays."""
         for worker in self.workers.values():
             if worker.process.is_alive():
@@ -211,8 +279,36 @@ def _forget_metrics_of(pid: int | None) -> None:
         log.warning("could not clear the metrics of pid %d: %s", pid, exc)
 
 
+def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready: Any) -> None:
+    """The engine process (``service.runtime.engine_host``): serves the workers until SIGTERM.
+
+    SIGINT is ignored: a Ctrl-C in a terminal reaches the whole process group, and the supervisor stops
+    the workers first (they drain through this process), then this one.
+    """
+    from service.runtime.engine_host import EngineHost
+
+    configure_process(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    host = EngineHost(address)
+    host.start()
+    log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
+    ready.set()
+    while not stop.wait(1.0):
+        pass
+    host.close()
+    sys.exit(0)
+
+
 def _worker_main(
-    settings: ServiceSettings, host: str, port: int, index: int, prepare_store: bool, started: Any
+    settings: ServiceSettings,
+    host: str,
+    port: int,
+    index: int,
+    prepare_store: bool,
+    started: Any,
+    engine_host: HostAddress | None,
 ) -> None:
     """One worker process: the app on the shared socket (see the module docstring for the roles)."""
     from .app import create_app
@@ -224,6 +320,7 @@ def _worker_main(
         follow_store=True,
         serve_before_ready=prepare_store,  # only the very first worker answers while it loads
         on_started=started.set,
+        engine_host=engine_host,
     )
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see WorkerRole)

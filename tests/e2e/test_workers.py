@@ -25,16 +25,33 @@ from live_server import AUTH, running
 pytestmark = pytest.mark.e2e
 
 
-def worker_pids(supervisor_pid: int) -> set[int]:
-    """The supervisor's live worker processes (not multiprocessing's resource tracker, not zombies)."""
+def child_pids(supervisor_pid: int) -> set[int]:
+    """The supervisor's live processes (not multiprocessing's resource tracker, not zombies)."""
     pids = set()
     for child in psutil.Process(supervisor_pid).children():
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            if "resource_tracker" not in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
                 pids.add(child.pid)
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
     return pids
+
+
+def is_engine_process(pid: int) -> bool:
+    """The engine process is the one listening on the Unix socket ``engine.sock``."""
+    try:
+        return any(str(c.laddr).endswith("engine.sock") for c in psutil.Process(pid).net_connections(kind="unix"))
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
+def engine_pid(supervisor_pid: int) -> int | None:
+    return next((pid for pid in child_pids(supervisor_pid) if is_engine_process(pid)), None)
+
+
+def worker_pids(supervisor_pid: int) -> set[int]:
+    """The supervisor's worker processes (without the engine process)."""
+    return {pid for pid in child_pids(supervisor_pid) if not is_engine_process(pid)}
 
 
 def owner(conn: http.client.HTTPConnection, pids: set[int], server_port: int) -> int | None:
@@ -94,20 +111,25 @@ def metric_total(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "own-engines"])
+def test_two_workers_share_the_port_and_the_store(tmp_path: Path, engine_process: bool) -> None:
     model = tiny_cnn(seed=5)
     x = np.random.default_rng(3).normal(size=(2, 3, 8, 8)).astype(np.float32)
     want = reference(model, {"input": x})["logits"]
-    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
+    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2", "SERVICE_ENGINE_PROCESS": str(engine_process)}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         pids = worker_pids(server.pid)
         assert len(pids) == 2
+        assert (engine_pid(server.pid) is not None) == engine_process
         conns = one_connection_per_worker(server.port, pids)
         (pid_a, a), (pid_b, b) = sorted(conns.items())
 
         status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
         assert status == 201, body
         wait_status(b, "/v2/models/tiny/ready", 200)
+        for conn in (a, b):
+            described = json.loads(call(conn, "GET", "/v1/models/tiny")[1])["versions"][0]
+            assert described["provider"].startswith("engine process") == engine_process, described["provider"]
         predict = json.dumps({"model": "tiny", "inputs": {"input": x.tolist()}}).encode()
         for conn in (a, b):
             status, body = call(conn, "POST", "/predict", predict, {"content-type": "application/json"})
@@ -139,3 +161,38 @@ def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
         assert server.terminate() == 0
         for pid in (pid_a, *replacement):
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_dead_engine_process_brings_everything_back(tmp_path: Path) -> None:
+    """Every worker's engines live in the engine process: when it dies, all restart and serve again."""
+    model = tiny_cnn(seed=6)
+    x = np.random.default_rng(4).normal(size=(3, 3, 8, 8)).astype(np.float32)
+    want = reference(model, {"input": x})["logits"]
+    predict = json.dumps({"model": "tiny", "inputs": {"input": x.tolist()}}).encode()
+    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
+    with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        upload = {**AUTH, "content-type": "application/octet-stream"}
+        status, body = call(conn, "POST", "/v1/models/tiny", model, upload)
+        assert status == 201, body
+        old_engine, old_workers = engine_pid(server.pid), worker_pids(server.pid)
+        assert old_engine is not None
+        os.kill(old_engine, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        answered = None
+        while time.monotonic() < deadline:
+            new_engine = engine_pid(server.pid)
+            if new_engine not in (None, old_engine) and len(worker_pids(server.pid) - old_workers) == 2:
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+                    answered = call(conn, "POST", "/predict", predict, {"content-type": "application/json"})
+                except OSError:
+                    answered = None
+                if answered is not None and answered[0] == 200:
+                    break
+            time.sleep(0.2)
+        assert answered is not None and answered[0] == 200, answered
+        got = np.asarray(json.loads(answered[1])["outputs"]["logits"], np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        conn.close()
+        assert server.terminate() == 0

@@ -190,6 +190,46 @@ def test_a_configuration_that_crashes_costs_only_its_own_timing(
     assert Config(**record["choice"]).precision == "fp32"
 
 
+def test_after_a_gpu_fault_in_a_graph_the_other_graphs_of_that_precision_are_not_timed(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16 CUDA graphs that fault the GPU would each cost 15-30 s: the graphless ones are timed instead."""
+    ran: list[str] = []
+
+    def fake_child(fn, args, *, timeout_s):
+        config = Config(**args[2])
+        ran.append(config.key)
+        if config.cuda_graph and config.precision == "fp16":
+            raise ChildProcessFailed("RuntimeError: CUDA failure 700: an illegal memory access (cuda_graph.cc)")
+        return {"timing": {"1": 1.0, "64": 2.0}}
+
+    monkeypatch.setattr(autotune, "run_in_child", fake_child)
+    settings = EngineSettings(buckets=(1, 8, 64))
+    configs = autotune._configs(candidates, settings, "auto")
+    graph_fp16 = [c.key for c in configs if c.cuda_graph and c.precision == "fp16"]
+    assert len(graph_fp16) >= 2
+    results = autotune._time_configs(candidates, settings, configs, budget_s=60.0)
+    assert [k for k in ran if k in graph_fp16] == graph_fp16[:1]
+    assert all("faulted the GPU" in results.skipped[k] for k in graph_fp16[1:])
+    graphless = [c.key for c in configs if not c.cuda_graph]
+    assert graphless and all(k in results.timings for k in graphless)
+    assert all(k in results.timings for k in (c.key for c in configs if c.cuda_graph and c.precision == "fp32"))
+
+    ran.clear()
+    timeouts = {graph_fp16[0]}
+
+    def timing_out(fn, args, *, timeout_s):  # a timeout is no GPU fault: the next fp16 graph is timed
+        key = Config(**args[2]).key
+        ran.append(key)
+        if key in timeouts:
+            raise ChildProcessFailed("timed out after 10 s")
+        return {"timing": {"1": 1.0, "64": 2.0}}
+
+    monkeypatch.setattr(autotune, "run_in_child", timing_out)
+    results = autotune._time_configs(candidates, settings, configs, budget_s=60.0)
+    assert graph_fp16[1] in results.timings
+
+
 def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,167 @@
+"""Tensors handed between processes through a memory-mapped file instead of a pipe.
+
+Why: the engine process (``service.runtime.engine_host``) runs the batches of every HTTP worker. A
+batch of 32 images is 19 MB; pickled through a socket it would be copied four times (pickle, send,
+receive, unpickle). A file in a private folder on ``/dev/shm`` (RAM; the system temp folder where there is
+none), mapped by both processes, carries it with one copy in and one copy out, and only a few bytes of
+layout go through the socket.
+
+A buffer only grows: a bigger batch gets a new, larger file (a new path), so the other side maps it
+again. Files are named by the process that creates them; the folder belongs to the supervisor, which
+removes it with everything in it when the server stops (also after a crash of a worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+ALIGN = 64
+"""Each tensor starts on a 64-byte boundary (a cache line; what SIMD copies like)."""
+
+Layout = list[tuple[str, str, tuple[int, ...], int]]
+"""Where each tensor lies in a buffer: (name, numpy dtype string, shape, byte offset)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout_of(shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[Layout, int]:
+    """Offsets for tensors of these shapes and dtypes, back to back; returns the layout and bytes needed."""
+    layout: Layout = []
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        layout.append((name, np.dtype(dtype).str, tuple(int(d) for d in shape), offset))
+        offset += _aligned(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    return layout, max(offset, ALIGN)
+
+
+def buffer_folder() -> Path:
+    """Where the server's shared buffers live: RAM-backed /dev/shm when this system has it."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    import tempfile
+
+    return Path(tempfile.gettempdir())
+
+
+class SharedBuffer:
+    """One mapped file. ``create`` makes a new one in ``folder``; ``attach`` maps one another process made."""
+
+    def __init__(self, path: Path, size: int, mapping: mmap.mmap, *, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self._map = mapping
+        self._owner = owner
+
+    @classmethod
+    def create(cls, folder: Path, size: int, *, prefix: str = "buf") -> SharedBuffer:
+        path = Path(folder) / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return cls(path, size, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, path: str | Path) -> SharedBuffer:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(Path(path), size, mapping, owner=False)
+
+    def array(self, dtype: str | np.dtype, shape: Sequence[int], offset: int) -> np.ndarray:
+        """A numpy view of the tensor at ``offset`` (no copy); refused if it would reach past the end."""
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"tensor of {nbytes} bytes at {offset} does not fit a buffer of {self.size}")
+        return np.ndarray(tuple(shape), dt, buffer=self._map, offset=offset)
+
+    def views(self, layout: Layout) -> dict[str, np.ndarray]:
+        return {name: self.array(dtype, shape, offset) for name, dtype, shape, offset in layout}
+
+    def write_rows(self, layout: Layout, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """Write the parts one after the other along axis 0 into the tensors of ``layout``."""
+        for name, dtype, shape, offset in layout:
+            target = self.array(dtype, shape, offset)
+            if len(parts) == 1:
+                target[...] = parts[0][name]
+                continue
+            row = 0
+            for part in parts:
+                value = part[name]
+                target[row : row + len(value)] = value
+                row += len(value)
+
+    def close(self) -> None:
+        """Unmap (and remove the file if this process made it). Views still alive keep the mapping
+        until they go; the file is gone at once either way."""
+        if self._owner:
+            self.path.unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a view still uses it: it goes when the last view does
+            self._map.close()
+
+
+class GrowingBuffer:
+    """A SharedBuffer that this process replaces by a larger one when a batch does not fit."""
+
+    def __init__(self, folder: Path, *, prefix: str) -> None:
+        self.folder = folder
+        self.prefix = prefix
+        self.current: SharedBuffer | None = None
+
+    def fit(self, nbytes: int) -> SharedBuffer:
+        if self.current is None or self.current.size < nbytes:
+            size = max(nbytes, 2 * self.current.size if self.current is not None else 0, 1 << 20)
+            if self.current is not None:
+                self.current.close()
+            self.current = SharedBuffer.create(self.folder, size, prefix=self.prefix)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+class AttachedBuffers:
+    """The latest buffer another process made, mapped here by path (mapped again when its path changes)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder).resolve()
+        self.current: SharedBuffer | None = None
+
+    def get(self, path: str) -> SharedBuffer:
+        if self.current is None or str(self.current.path) != path:
+            resolved = Path(path).resolve()
+            if resolved.parent != self.folder:  # only the server's own folder, never an arbitrary file
+                raise ValueError(f"buffer {path!r} is not in {self.folder}")
+            if self.current is not None:
+                self.current.close()
+            self.current = SharedBuffer.attach(resolved)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+__all__ = ["ALIGN", "AttachedBuffers", "GrowingBuffer", "Layout", "SharedBuffer", "buffer_folder", "layout_of"]

@@ -1,0 +1,276 @@
+"""The engine process's server (EngineHost) and a worker's RemoteEngine, in one process over a real socket.
+
+Real ORT CPU engines where the answer matters (checked against a reference session); a scripted fake
+engine where the test needs to control when a batch runs (merging several workers' jobs, one bad job).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from builders import reference, tiny_cnn
+
+from service.errors import EngineError, InvalidInputError
+from service.runtime.engine_host import EngineHost, HostAddress, LoadRequest, load_request_in_process
+from service.runtime.remote_engine import RemoteEngineLoader
+from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
+from service.runtime.types import TensorSpec
+from service.settings import EngineSettings
+
+CPU = EngineSettings(device="cpu", buckets=(1, 2, 4, 8))
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="eh-", dir="/tmp"))  # short: a Unix socket path has ~100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _address(folder: Path, key: bytes = b"k" * 32) -> HostAddress:
+    return HostAddress(str(folder / "engine.sock"), key, str(folder))
+
+
+@pytest.fixture
+def model_file(folder: Path) -> Path:
+    path = folder / "tiny.onnx"
+    path.write_bytes(tiny_cnn(seed=4))
+    return path
+
+
+def _host(folder: Path, loader: Any = load_request_in_process) -> EngineHost:
+    host = EngineHost(_address(folder), loader=loader)
+    host.start()
+    return host
+
+
+def _load(folder: Path, files: Mapping[str, Path], **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    return RemoteEngineLoader(_address(folder))(files, CPU, precision="fp32", cached_choice=None, **kwargs)
+
+
+def test_remote_engine_answers_as_onnx_runtime_does(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    try:
+        engine, record = _load(folder, {"plain": model_file})
+        assert record["device"] == "cpu"
+        assert [s.name for s in engine.inputs] == ["input"] and engine.max_batch_size == 8
+        rng = np.random.default_rng(0)
+        for n in (1, 3, 11):  # 11: above the largest bucket, chunked in the engine process
+            x = rng.normal(size=(n, 3, 8, 8)).astype(np.float32)
+            got = {k: v.copy() for k, v in engine.run({"input": x}).items()}
+            want = reference(model_file.read_bytes(), {"input": x})
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+        a, b = rng.normal(size=(2, 3, 8, 8)).astype(np.float32), rng.normal(size=(3, 3, 8, 8)).astype(np.float32)
+        got = engine.run_parts([{"input": a}, {"input": b}])["logits"]
+        want = reference(model_file.read_bytes(), {"input": np.concatenate([a, b])})["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        engine.close()
+    finally:
+        host.close()
+
+
+def test_workers_loading_the_same_version_share_one_engine(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    try:
+        first, record = _load(folder, {"plain": model_file})
+        second, again = _load(folder, {"plain": model_file}, batch_limit=4)
+        assert again == record
+        (hosted,) = host.engines()
+        assert hosted.refs == 2
+        first.close()
+        assert [h.refs for h in host.engines()] == [1]
+        x = np.ones((2, 3, 8, 8), np.float32)
+        assert second.run({"input": x})["logits"].shape == (2, 3)  # still served after the other let go
+        second.close()
+        assert host.engines() == []
+    finally:
+        host.close()
+
+
+def test_errors_come_back_as_service_errors_and_the_host_survives(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    try:
+        broken = folder / "broken.onnx"
+        broken.write_bytes(b"not a model")
+        with pytest.raises(EngineError):
+            _load(folder, {"plain": broken})
+        engine, _ = _load(folder, {"plain": model_file})
+        with pytest.raises(InvalidInputError, match="input"):  # refused by the engine in the host
+            engine.run({"input": np.ones((1, 3, 9, 9), np.float32)})
+        with pytest.raises(InvalidInputError, match="same inputs and shapes"):  # refused before sending
+            engine.run_parts([{"input": np.ones((1, 3, 8, 8), np.float32)}, {"input": np.ones((1, 3, 8, 8))}])
+        assert engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})["logits"].shape == (1, 3)
+        engine.close()
+    finally:
+        host.close()
+
+
+def test_a_wrong_key_is_refused(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    try:
+        loader = RemoteEngineLoader(_address(folder, key=b"x" * 32))
+        with pytest.raises(EngineError, match="cannot reach"):
+            loader({"plain": model_file}, CPU, precision="fp32", cached_choice=None)
+        assert host.engines() == []
+    finally:
+        host.close()
+
+
+def test_a_stopped_host_fails_the_call_not_the_worker(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    engine, _ = _load(folder, {"plain": model_file})
+    host.close()
+    with pytest.raises(EngineError, match=r"engine process|closed"):
+        engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})
+    engine.close()  # closing a dead engine does not raise
+
+
+class _GatedEngine:
+    """Doubles its input; the first call waits at a gate so that later jobs queue up behind it."""
+
+    max_batch_size = 16
+    buckets = (16,)
+
+    def __init__(self) -> None:
+        self.inputs = [TensorSpec("x", np.dtype(np.float32), (None, 4))]
+        self.outputs = [TensorSpec("y", np.dtype(np.float32), (None, 4))]
+        self.gate = threading.Event()
+        self.calls: list[list[int]] = []
+        self.closed = False
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.run_parts([feeds])
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        self.calls.append([len(p["x"]) for p in parts])
+        if len(self.calls) == 1:
+            self.gate.wait(10)
+        x = np.concatenate([p["x"] for p in parts])
+        if np.isnan(x).any():
+            raise InvalidInputError("input 'x' holds NaN")
+        return {"y": x * 2}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _fake_loader(engine: _GatedEngine) -> Any:
+    def load(request: LoadRequest) -> tuple[Any, dict[str, Any]]:
+        return engine, {"fake": True}
+
+    return load
+
+
+def _run_in_thread(engine: Any, x: np.ndarray, results: dict[str, Any], key: str) -> threading.Thread:
+    def target() -> None:
+        try:
+            results[key] = engine.run({"x": x})["y"].copy()
+        except Exception as exc:
+            results[key] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+def _queued(host: EngineHost, jobs: int) -> None:
+    (hosted,) = host.engines()
+    for _ in range(200):
+        if hosted._queue.qsize() >= jobs:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the jobs never queued")
+
+
+def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path) -> None:
+    fake = _GatedEngine()
+    host = _host(folder, loader=_fake_loader(fake))
+    try:
+        engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
+        results: dict[str, Any] = {}
+        xs = {key: np.full((n, 4), i + 1, np.float32) for i, (key, n) in enumerate((("a", 1), ("b", 2), ("c", 3)))}
+        first = _run_in_thread(engines[0], xs["a"], results, "a")
+        for _ in range(200):  # the first call is inside the engine, held at the gate
+            if fake.calls:
+                break
+            threading.Event().wait(0.01)
+        others = [_run_in_thread(e, xs[k], results, k) for e, k in zip(engines[1:], "bc", strict=True)]
+        _queued(host, 2)
+        fake.gate.set()
+        for thread in (first, *others):
+            thread.join(10)
+        assert fake.calls == [[1], [2, 3]]  # b and c ran as one batch
+        for key, x in xs.items():
+            np.testing.assert_array_equal(results[key], x * 2)
+        (hosted,) = host.engines()
+        assert hosted.merged_calls == 1
+        for engine in engines:
+            engine.close()
+        assert fake.closed
+    finally:
+        host.close()
+
+
+def test_a_bad_job_in_a_merged_batch_fails_alone(folder: Path, model_file: Path) -> None:
+    fake = _GatedEngine()
+    host = _host(folder, loader=_fake_loader(fake))
+    try:
+        engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
+        results: dict[str, Any] = {}
+        first = _run_in_thread(engines[0], np.ones((1, 4), np.float32), results, "first")
+        for _ in range(200):
+            if fake.calls:
+                break
+            threading.Event().wait(0.01)
+        good = _run_in_thread(engines[1], np.ones((2, 4), np.float32), results, "good")
+        _queued(host, 1)
+        bad = _run_in_thread(engines[2], np.full((1, 4), np.nan, np.float32), results, "bad")
+        _queued(host, 2)
+        fake.gate.set()
+        for thread in (first, good, bad):
+            thread.join(10)
+        assert fake.calls[1] == [2, 1]  # merged, failed, then each alone
+        np.testing.assert_array_equal(results["good"], np.full((2, 4), 2, np.float32))
+        assert isinstance(results["bad"], InvalidInputError) and "NaN" in str(results["bad"])
+        for engine in engines:
+            engine.close()
+    finally:
+        host.close()
+
+
+def test_shared_buffers_grow_and_map_only_their_own_folder(folder: Path) -> None:
+    growing = GrowingBuffer(folder, prefix="in")
+    small = growing.fit(100)
+    assert growing.fit(200) is small  # fits: the same file
+    big = growing.fit(small.size + 1)
+    assert big.path != small.path and not small.path.exists()
+    layout, nbytes = layout_of({"a": ((3, 5), np.dtype(np.float32)), "b": ((3,), np.dtype(np.int64))})
+    assert [entry[3] % 64 for entry in layout] == [0, 0] and nbytes >= 3 * 5 * 4 + 3 * 8
+    parts = [{"a": np.arange(5 * i, 5 * i + 5, dtype=np.float32)[None], "b": np.array([i])} for i in range(3)]
+    big.write_rows(layout, parts)
+    attached = AttachedBuffers(folder)
+    views = attached.get(str(big.path)).views(layout)
+    np.testing.assert_array_equal(views["a"], np.arange(15, dtype=np.float32).reshape(3, 5))
+    np.testing.assert_array_equal(views["b"], [0, 1, 2])
+    with pytest.raises(ValueError, match="does not fit"):
+        attached.current.array(np.float32, (big.size,), 0)  # type: ignore[union-attr]
+    outside = SharedBuffer.create(Path(tempfile.gettempdir()), 64, prefix="outside")
+    try:
+        with pytest.raises(ValueError, match="not in"):
+            attached.get(str(outside.path))
+    finally:
+        outside.close()
+    del views
+    attached.close()
+    growing.close()
+    assert not big.path.exists()
+    assert os.listdir(folder) == []
