@@ -3,6 +3,7 @@
 # setup calls), one or more parts per call:
 #   bench/gpu_session.sh PART [PART...]   PART: probe|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
+# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS.
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
 # `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
 # whatever stale checkout surrounds the snapshot in every result header.
@@ -20,7 +21,7 @@ if want probe; then
 fi
 if want engine; then
   timeout "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
-    --out-dir "$OUT" 2>&1 | tee "$OUT/engine.log" | tail -80
+    --out-dir "$OUT" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -80
 fi
 if want service; then
   # client_ceiling first: what the load generator can send on this host bounds every other figure

@@ -408,20 +408,26 @@ def run_point(
 _BATCH_METRIC = re.compile(r"^(\w*batch_size)_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 
 
+_BATCH_HISTOGRAMS = ("service_engine_process_batch_size", "service_batch_size")
+"""Samples per engine call: the engine process's (what the GPU ran, batches of several workers merged)
+when the server has one, else the batcher's."""
+
+
 def batch_counters(url: str) -> tuple[float, float] | None:
     """(samples, engine calls) so far from the server's /metrics batch-size histogram; None if absent."""
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return None
-    total = {"sum": 0.0, "count": 0.0}
-    found = False
+    totals = {name: {"sum": 0.0, "count": 0.0} for name in _BATCH_HISTOGRAMS}
     for line in text.splitlines():
         match = _BATCH_METRIC.match(line)
-        if match and match.group(1) == "service_batch_size":
-            total[match.group(2)] += float(match.group(3))
-            found = True
-    return (total["sum"], total["count"]) if found else None
+        if match and match.group(1) in totals:
+            totals[match.group(1)][match.group(2)] += float(match.group(3))
+    for name in _BATCH_HISTOGRAMS:
+        if totals[name]["count"]:
+            return totals[name]["sum"], totals[name]["count"]
+    return None
 
 
 # ------------------------------------------------------------------------------------------ engine

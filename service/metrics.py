@@ -131,3 +131,28 @@ class Metrics:
             multiprocess.MultiProcessCollector(merged)
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class EngineProcessMetrics:
+    """The engine process's own series (``service.runtime.engine_host``): samples per engine call it makes.
+
+    With several workers each worker's ``service_batch_size`` counts the batches it formed; the engine
+    process may merge batches of several workers into one call, and this histogram counts what the GPU
+    really ran. It is written to ``PROMETHEUS_MULTIPROC_DIR`` like the workers' series, so ``/metrics``
+    from any worker shows it.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.batch_size = Histogram(
+            "service_engine_process_batch_size", "Samples per engine call in the engine process (batches of "
+            "several workers merged).", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
+        )
+        self._children: dict[str, Any] = {}
+
+    def observe_call(self, model: str, samples: int) -> None:
+        child = self._children.get(model)
+        if child is None:
+            child = self._children[model] = self.batch_size.labels(model)
+        child.observe(samples)
+

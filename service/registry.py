@@ -755,6 +755,7 @@ class ModelRegistry:
             precision=mv.config.precision,
             cached_choice=mv.metadata.get("engine"),
             batch_limit=mv.config.max_batch_size,
+            label=mv.name,
         )
         try:
             if record != mv.metadata.get("engine"):

@@ -285,13 +285,14 @@ def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready:
     SIGINT is ignored: a Ctrl-C in a terminal reaches the whole process group, and the supervisor stops
     the workers first (they drain through this process), then this one.
     """
+    from service.metrics import EngineProcessMetrics
     from service.runtime.engine_host import EngineHost
 
     configure_process(settings)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    host = EngineHost(address)
+    host = EngineHost(address, observe=EngineProcessMetrics().observe_call)
     host.start()
     log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
     ready.set()

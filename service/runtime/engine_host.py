@@ -66,6 +66,8 @@ class LoadRequest:
     precision: str
     cached_choice: dict[str, Any] | None
     batch_limit: int
+    label: str = ""
+    """The model's name, for metrics and logs (not part of the key)."""
 
     def key(self) -> str:
         """Same files (by path, size and change time), settings and precision: the same engine."""
@@ -77,6 +79,8 @@ class LoadRequest:
 
 
 Loader = Callable[[LoadRequest], tuple[Any, dict[str, Any]]]
+BatchObserver = Callable[[str, int], None]
+"""Called with (model label, samples) after every engine call of the engine process."""
 
 
 def load_request_in_process(request: LoadRequest) -> tuple[Any, dict[str, Any]]:
@@ -113,8 +117,13 @@ class _Job:
 class HostedEngine:
     """One engine, shared by every connection that loaded it; one thread runs it and merges waiting jobs."""
 
-    def __init__(self, key: str, engine: Any, record: dict[str, Any], batch_limit: int) -> None:
+    def __init__(
+        self, key: str, engine: Any, record: dict[str, Any], batch_limit: int, *, label: str = "",
+        observe: BatchObserver | None = None,
+    ) -> None:
         self.key = key
+        self.label = label
+        self._observe = observe
         self.engine = engine
         self.record = record
         self.refs = 0
@@ -187,6 +196,8 @@ class HostedEngine:
 
     def _run(self, batch: list[_Job]) -> None:
         self.calls += 1
+        if self._observe is not None:
+            self._observe(self.label, sum(job.n for job in batch))
         try:
             if len(batch) == 1:
                 outputs = self.engine.run(batch[0].feeds)
@@ -212,9 +223,12 @@ class HostedEngine:
 class EngineHost:
     """Accepts worker connections and serves their loads and runs (see the module docstring)."""
 
-    def __init__(self, address: HostAddress, *, loader: Loader = load_request_in_process) -> None:
+    def __init__(
+        self, address: HostAddress, *, loader: Loader = load_request_in_process, observe: BatchObserver | None = None
+    ) -> None:
         self.address = address
         self._loader = loader
+        self._observe = observe
         # a socket left by an engine process that was killed would refuse the bind (the folder is ours)
         Path(address.socket_path).unlink(missing_ok=True)
         self._listener = multiprocessing.connection.Listener(
@@ -276,7 +290,8 @@ class EngineHost:
                     hosted.refs += 1
                     return hosted
             engine, record = self._loader(request)
-            hosted = HostedEngine(key, engine, record, request.batch_limit)
+            hosted = HostedEngine(key, engine, record, request.batch_limit, label=request.label,
+                                  observe=self._observe)
             hosted.refs = 1
             hosted.start()
             with self._lock:

@@ -26,6 +26,7 @@ class EngineLoader(Protocol):
         precision: str,
         cached_choice: dict[str, Any] | None,
         batch_limit: int = ...,
+        label: str = ...,
     ) -> tuple[Any, dict[str, Any]]: ...
 
 
@@ -36,11 +37,13 @@ def load_in_process(
     precision: str,
     cached_choice: dict[str, Any] | None,
     batch_limit: int = 0,
+    label: str = "",
 ) -> tuple[Any, dict[str, Any]]:
     """The tuner's pick among the optimized variants (``files``: variant name -> model file) and its record.
     ``batch_limit`` (the model's max_batch_size) matters only to the engine process, which merges the
-    batches of several workers up to it; this process's batcher already keeps within it."""
-    del batch_limit
+    batches of several workers up to it (this process's batcher already keeps within it); ``label`` (the
+    model's name) names its metrics there."""
+    del batch_limit, label
     from service.runtime.autotune import select_variant
 
     candidates = {name: onnx.load(str(path), load_external_data=False) for name, path in files.items()}

@@ -55,9 +55,10 @@ class RemoteEngineLoader:
         precision: str,
         cached_choice: dict[str, Any] | None,
         batch_limit: int = 1 << 30,
+        label: str = "",
     ) -> tuple[RemoteEngine, dict[str, Any]]:
         request = LoadRequest(
-            {name: str(path) for name, path in files.items()}, settings, precision, cached_choice, batch_limit
+            {name: str(path) for name, path in files.items()}, settings, precision, cached_choice, batch_limit, label
         )
         try:
             conn = multiprocessing.connection.Client(

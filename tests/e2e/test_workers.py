@@ -140,6 +140,9 @@ def test_two_workers_share_the_port_and_the_store(tmp_path: Path, engine_process
         for conn in (a, b):  # either worker reports both workers' requests
             text = call(conn, "GET", "/metrics")[1].decode()
             assert metric_total(text, "service_requests_total", model="tiny", outcome="success") == 2
+            # the engine process counts the samples it ran: at least both requests' (plus warm-ups)
+            samples = metric_total(text, "service_engine_process_batch_size_sum", model="tiny")
+            assert (samples >= 2 * len(x)) == engine_process, samples
 
         status, body = call(b, "DELETE", "/v1/models/tiny/versions/1", headers=AUTH)
         assert status in (200, 204), body
