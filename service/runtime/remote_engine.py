@@ -11,6 +11,7 @@ of a buffer the next call overwrites: copy what you keep (the batcher copies eve
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.connection
 import threading
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from service.runtime.engine_host import HostAddress, LoadRequest
 from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
 from service.settings import EngineSettings
 
+log = logging.getLogger(__name__)
 RUN_TIMEOUT_S = 300.0
 """A batch the engine process has not answered in this long fails, and the engine is given up."""
 CLOSE_TIMEOUT_S = 30.0
@@ -112,7 +114,12 @@ class RemoteEngine:
         try:
             if self._closed:
                 raise EngineError("engine is closed")
-            buffer = self._in.fit(nbytes)
+            try:
+                buffer = self._in.fit(nbytes)
+            except OSError as exc:
+                log.error("no room for a %d byte batch buffer in %s: %s", nbytes, self._in.folder, exc)
+                raise EngineError(f"no room for a {nbytes / 2**20:.1f} MiB batch buffer in shared memory "
+                                  f"({exc.strerror}; give /dev/shm more room, e.g. docker --shm-size)") from exc
             buffer.write_rows(layout, parts)
             reply = self._call(("run", str(buffer.path), layout, rows))
             if reply[0] != "ok":

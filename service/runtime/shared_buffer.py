@@ -25,6 +25,7 @@ import numpy as np
 ALIGN = 64
 """Each tensor starts on a 64-byte boundary (a cache line; what SIMD copies like)."""
 
+_MIB = 1 << 20
 Layout = list[tuple[str, str, tuple[int, ...], int]]
 """Where each tensor lies in a buffer: (name, numpy dtype string, shape, byte offset)."""
 
@@ -67,7 +68,9 @@ class SharedBuffer:
         path = Path(folder) / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Allocated now, not on first write: a full /dev/shm then fails here with ENOSPC, where a
+            # sparse file would kill the process with SIGBUS at the first write past the free space.
+            _allocate(fd, size)
             mapping = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -119,6 +122,13 @@ class SharedBuffer:
             self._map.close()
 
 
+def _allocate(fd: int, size: int) -> None:
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+    else:  # macOS
+        os.ftruncate(fd, size)
+
+
 class GrowingBuffer:
     """A SharedBuffer that this process replaces by a larger one when a batch does not fit."""
 
@@ -128,10 +138,14 @@ class GrowingBuffer:
         self.current: SharedBuffer | None = None
 
     def fit(self, nbytes: int) -> SharedBuffer:
+        """A buffer of at least ``nbytes`` (whole MiB; a batch size seldom grows more than a few times).
+
+        Raises OSError (ENOSPC) when the folder's file system has no room for it."""
         if self.current is None or self.current.size < nbytes:
-            size = max(nbytes, 2 * self.current.size if self.current is not None else 0, 1 << 20)
+            size = max(1, -(-nbytes // _MIB)) * _MIB
             if self.current is not None:
                 self.current.close()
+                self.current = None
             self.current = SharedBuffer.create(self.folder, size, prefix=self.prefix)
         return self.current
 

@@ -114,6 +114,27 @@ def test_errors_come_back_as_service_errors_and_the_host_survives(folder: Path, 
         host.close()
 
 
+def test_a_full_shared_memory_fails_the_call_with_a_clear_error(
+    folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = _host(folder)
+    try:
+        engine, _ = _load(folder, {"plain": model_file})
+
+        def no_space(fd: int, offset: int, size: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", no_space)
+        with pytest.raises(EngineError, match="shm-size") as caught:
+            engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})
+        assert str(folder) not in str(caught.value)  # no server path in what a client may see
+        monkeypatch.undo()
+        assert engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})["logits"].shape == (1, 3)
+        engine.close()
+    finally:
+        host.close()
+
+
 def test_a_wrong_key_is_refused(folder: Path, model_file: Path) -> None:
     host = _host(folder)
     try:
