@@ -326,7 +326,9 @@ class EngineHost:
             conn.send(("ok", hosted.description()))
             while True:
                 message = conn.recv()
-                if message[0] == "close":
+                if message[0] == "close":  # let go first: the worker may count on it once answered
+                    self._release(hosted)
+                    hosted = None
                     conn.send(("ok",))
                     return
                 conn.send(self._run(hosted, message, inputs, outputs))
