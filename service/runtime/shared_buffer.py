@@ -14,6 +14,7 @@ removes it with everything in it when the server stops (also after a crash of a 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import uuid
@@ -40,7 +41,7 @@ def layout_of(shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[L
     offset = 0
     for name, (shape, dtype) in shapes.items():
         layout.append((name, np.dtype(dtype).str, tuple(int(d) for d in shape), offset))
-        offset += _aligned(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        offset += _aligned(math.prod(shape) * np.dtype(dtype).itemsize)
     return layout, max(offset, ALIGN)
 
 
@@ -92,7 +93,7 @@ class SharedBuffer:
     def array(self, dtype: str | np.dtype, shape: Sequence[int], offset: int) -> np.ndarray:
         """A numpy view of the tensor at ``offset`` (no copy); refused if it would reach past the end."""
         dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"tensor of {nbytes} bytes at {offset} does not fit a buffer of {self.size}")
         return np.ndarray(tuple(shape), dt, buffer=self._map, offset=offset)
