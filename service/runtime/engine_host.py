@@ -24,14 +24,12 @@ How:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
 import logging
 import multiprocessing.connection
 import os
-import queue
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -97,42 +95,76 @@ def error_fields(exc: BaseException) -> tuple[str, str]:
     return "EngineError", f"inference failed in the engine process ({type(exc).__name__})"
 
 
+class _Client:
+    """One worker's connection to an engine: its socket, the buffer it writes batches into (mapped here),
+    and the buffer this process writes the answers into."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, folder: Path) -> None:
+        self.conn = conn
+        self.inputs = AttachedBuffers(folder)
+        self.outputs = GrowingBuffer(folder, prefix="out")
+
+    def reply(self, outputs: Mapping[str, np.ndarray]) -> None:
+        try:
+            layout, nbytes = layout_of(_shapes(outputs))
+            buffer = self.outputs.fit(nbytes)
+            buffer.write_rows(layout, [outputs])
+        except Exception as exc:
+            self.fail(exc)
+            return
+        self._send(("ok", str(buffer.path), layout))
+
+    def fail(self, exc: BaseException) -> None:
+        self._send(("error", *error_fields(exc)))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # a worker that went away is noticed at its next read
+            self.conn.send(message)
+
+    def close(self) -> None:
+        self.inputs.close()
+        self.outputs.close()
+        self.conn.close()
+
+
 @dataclasses.dataclass(eq=False)
 class _Job:
+    client: _Client
     feeds: dict[str, np.ndarray]
     n: int
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    outputs: dict[str, np.ndarray] | None = None
-    error: BaseException | None = None
 
     @property
     def shape_key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         return tuple((name, v.shape[1:], v.dtype.str) for name, v in sorted(self.feeds.items()))
 
-    def finish(self, outputs: dict[str, np.ndarray] | None = None, error: BaseException | None = None) -> None:
-        self.outputs, self.error = outputs, error
-        self.done.set()
-
 
 class HostedEngine:
-    """One engine, shared by every connection that loaded it; one thread runs it and merges waiting jobs."""
+    """One engine, shared by every connection that loaded it. One thread runs it and serves those
+    connections itself: it waits until some are readable, reads every batch that waits, runs them merged
+    (same sample shapes, up to ``merge_limit`` samples per call) and answers each. No hand-over between
+    threads: on the H200 host each thread wake-up on the way of a request cost tens to hundreds of
+    microseconds, and a thread per connection fought the engine thread for the GIL."""
 
     def __init__(
         self, key: str, engine: Any, record: dict[str, Any], batch_limit: int, *, label: str = "",
-        observe: BatchObserver | None = None,
+        observe: BatchObserver | None = None, release: Callable[[HostedEngine], None] | None = None,
     ) -> None:
         self.key = key
         self.label = label
         self._observe = observe
+        self._release = release
         self.engine = engine
         self.record = record
         self.refs = 0
         batchable = all(s.shape[0] is None for s in engine.inputs) and all(s.shape for s in engine.outputs)
         self.merge_limit = max(1, min(int(batch_limit), int(engine.max_batch_size))) if batchable else 1
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="engine-host-run", daemon=True)
         self._state = threading.Lock()
         self._stopped = False
+        self._joining: list[_Client] = []
+        self._engine_closed = False
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
         self.calls = 0
         self.merged_calls = 0
 
@@ -151,48 +183,100 @@ class HostedEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: _Job) -> None:
+    def attach(self, client: _Client) -> None:
+        """Serve this connection from now on (its reference was counted by the host's acquire)."""
         with self._state:
             if self._stopped:
-                job.finish(error=EngineError("the engine process is stopping"))
-                return
-            self._queue.put(job)
+                raise EngineError("the engine process is stopping")
+            self._joining.append(client)
+        self._wake()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Run what is queued, then close the engine on its own thread; later jobs fail at once."""
+    def stop(self, *, wait: bool = True, timeout_s: float = 30.0) -> None:
+        """Finish the batch in hand, close the connections left, then the engine (on its own thread)."""
         with self._state:
             self._stopped = True
-            self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._wake()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_write, b"x")
+
+    # ------------------------------------------------------------------ the engine's thread
 
     def _loop(self) -> None:
         prepare = getattr(self.engine, "prepare_thread", None)
         if prepare is not None:
             prepare()  # capture CUDA graphs for this thread now, not in the first request
-        carried: collections.deque[_Job | None] = collections.deque()
+        clients: dict[Any, _Client] = {}
         try:
             while True:
-                first = carried.popleft() if carried else self._queue.get()
-                if first is None:
+                with self._state:
+                    joining, self._joining = self._joining, []
+                    stopped = self._stopped
+                clients.update((client.conn, client) for client in joining)
+                if stopped:
                     return
-                self._run(self._merge(first, carried))
+                ready = multiprocessing.connection.wait([*clients, self._wake_read])
+                jobs = [job for conn in ready if conn != self._wake_read
+                        for job in self._read(clients, clients[conn])]
+                if self._wake_read in ready:
+                    os.read(self._wake_read, 4096)
+                for batch in self._batches(jobs):
+                    self._run(batch)
         finally:
+            for client in clients.values():
+                client.close()
+            self._close_engine()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    def _close_engine(self) -> None:
+        if not self._engine_closed:
+            self._engine_closed = True
             self.engine.close()
 
-    def _merge(self, first: _Job, carried: collections.deque[_Job | None]) -> list[_Job]:
-        """``first`` and the jobs waiting behind it with the same sample shapes, up to ``merge_limit`` rows."""
-        batch, rows = [first], first.n
-        while rows < self.merge_limit:
-            try:
-                job = carried.popleft() if carried else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None or job.shape_key != first.shape_key or rows + job.n > self.merge_limit:
-                carried.appendleft(job)
-                break
-            batch.append(job)
-            rows += job.n
-        return batch
+    def _read(self, clients: dict[Any, _Client], client: _Client) -> list[_Job]:
+        """The batch this connection sent (an empty list for a close, a departure or a refused layout)."""
+        try:
+            message = client.conn.recv()
+        except (EOFError, OSError):  # the worker went away
+            self._drop(clients, client)
+            return []
+        if message[0] == "close":  # let go first: the worker may count on it once answered
+            self._drop(clients, client, answer=True)
+            return []
+        try:
+            _, path, layout, n = message
+            return [_Job(client, client.inputs.get(path).views(layout), int(n))]
+        except Exception as exc:
+            client.fail(exc)
+            return []
+
+    def _drop(self, clients: dict[Any, _Client], client: _Client, *, answer: bool = False) -> None:
+        del clients[client.conn]
+        if self._release is not None:
+            self._release(self)
+        if self._stopped:  # that was the last user: the engine is closed before the worker hears back
+            self._close_engine()
+        if answer:
+            client._send(("ok",))
+        client.close()
+
+    def _batches(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """The jobs in arrival order, merged where the sample shapes match, up to ``merge_limit`` samples."""
+        batches: list[list[_Job]] = []
+        rows = 0
+        for job in jobs:
+            last = batches[-1] if batches else None
+            if last is not None and job.shape_key == last[0].shape_key and rows + job.n <= self.merge_limit:
+                last.append(job)
+                rows += job.n
+            else:
+                batches.append([job])
+                rows = job.n
+        return batches
 
     def _run(self, batch: list[_Job]) -> None:
         self.calls += 1
@@ -206,17 +290,17 @@ class HostedEngine:
                 self.merged_calls += 1
         except Exception as exc:
             if len(batch) == 1:
-                batch[0].finish(error=exc)
+                batch[0].client.fail(exc)
             else:  # one bad request must not fail the others: run each alone
                 for job in batch:
                     self._run([job])
             return
         if len(batch) == 1:
-            batch[0].finish(outputs)
+            batch[0].client.reply(outputs)
             return
         offset = 0
         for job in batch:
-            job.finish({name: value[offset : offset + job.n] for name, value in outputs.items()})
+            job.client.reply({name: value[offset : offset + job.n] for name, value in outputs.items()})
             offset += job.n
 
 
@@ -257,7 +341,7 @@ class EngineHost:
             connections = list(self._connections)
         for hosted in engines:
             hosted.stop()
-        for conn in connections:  # wake the threads waiting for their worker's next message
+        for conn in connections:  # wake the threads still waiting for a worker's load request
             _shut_down(conn)
 
     def engines(self) -> list[HostedEngine]:
@@ -291,7 +375,7 @@ class EngineHost:
                     return hosted
             engine, record = self._loader(request)
             hosted = HostedEngine(key, engine, record, request.batch_limit, label=request.label,
-                                  observe=self._observe)
+                                  observe=self._observe, release=self._release)
             hosted.refs = 1
             hosted.start()
             with self._lock:
@@ -300,20 +384,21 @@ class EngineHost:
             return hosted
 
     def _release(self, hosted: HostedEngine) -> None:
+        """One connection less (called on the engine's thread); the last one stops the engine."""
         with self._lock:
             hosted.refs -= 1
-            if hosted.refs > 0 or self._engines.get(hosted.key) is not hosted:
+            if hosted.refs > 0:
                 return
-            del self._engines[hosted.key]
-            self._loading.pop(hosted.key, None)
-        hosted.stop()
+            if self._engines.get(hosted.key) is hosted:
+                del self._engines[hosted.key]
+                self._loading.pop(hosted.key, None)
+        hosted.stop(wait=False)
 
     # ------------------------------------------------------------------ one connection
 
     def _serve(self, conn: multiprocessing.connection.Connection) -> None:
-        hosted: HostedEngine | None = None
-        inputs = AttachedBuffers(Path(self.address.buffer_dir))
-        outputs = GrowingBuffer(Path(self.address.buffer_dir), prefix="out")
+        """A new connection's load; then the engine's own thread serves it."""
+        attached = False
         try:
             kind, request = conn.recv()
             if kind != "load" or not isinstance(request, LoadRequest):
@@ -323,44 +408,21 @@ class EngineHost:
             except Exception as exc:
                 conn.send(("error", *error_fields(exc)))
                 return
+            client = _Client(conn, Path(self.address.buffer_dir))
+            try:
+                hosted.attach(client)
+            except EngineError as exc:  # the engine process is closing
+                conn.send(("error", *error_fields(exc)))
+                return
+            attached = True
             conn.send(("ok", hosted.description()))
-            while True:
-                message = conn.recv()
-                if message[0] == "close":  # let go first: the worker may count on it once answered
-                    self._release(hosted)
-                    hosted = None
-                    conn.send(("ok",))
-                    return
-                conn.send(self._run(hosted, message, inputs, outputs))
         except (EOFError, OSError):
-            pass  # the worker went away
+            pass  # the worker went away (the engine's thread notices it too, if attached)
         finally:
-            if hosted is not None:
-                self._release(hosted)
-            inputs.close()
-            outputs.close()
             with self._lock:
                 self._connections.discard(conn)
-            conn.close()
-
-    @staticmethod
-    def _run(
-        hosted: HostedEngine, message: tuple[Any, ...], inputs: AttachedBuffers, outputs: GrowingBuffer
-    ) -> tuple[Any, ...]:
-        try:
-            _, path, layout, n = message
-            job = _Job(inputs.get(path).views(layout), int(n))
-            hosted.submit(job)
-            job.done.wait()
-            if job.error is not None:
-                raise job.error
-            assert job.outputs is not None
-            out_layout, nbytes = layout_of(_shapes(job.outputs))
-            buffer = outputs.fit(nbytes)
-            buffer.write_rows(out_layout, [job.outputs])
-            return ("ok", str(buffer.path), out_layout)
-        except Exception as exc:
-            return ("error", *error_fields(exc))
+            if not attached:
+                conn.close()
 
 
 def _shut_down(conn: multiprocessing.connection.Connection) -> None:
