@@ -218,13 +218,10 @@ class HostedEngine:
                 clients.update((client.conn, client) for client in joining)
                 if stopped:
                     return
-                ready = multiprocessing.connection.wait([*clients, self._wake_read])
-                jobs = [job for conn in ready if conn != self._wake_read
-                        for job in self._read(clients, clients[conn])]
-                if self._wake_read in ready:
-                    os.read(self._wake_read, 4096)
-                for batch in self._batches(jobs):
-                    self._run(batch)
+                try:
+                    self._serve_once(clients)
+                except Exception:  # never let the thread die: every worker using this engine would hang
+                    log.exception("engine process: unexpected error serving %s", self.label or self.key)
         finally:
             for client in clients.values():
                 client.close()
@@ -236,6 +233,15 @@ class HostedEngine:
         if not self._engine_closed:
             self._engine_closed = True
             self.engine.close()
+
+    def _serve_once(self, clients: dict[Any, _Client]) -> None:
+        """Wait until some connection is readable (or a wake-up), read every batch that waits, run, answer."""
+        ready = multiprocessing.connection.wait([*clients, self._wake_read])
+        jobs = [job for conn in ready if conn != self._wake_read for job in self._read(clients, clients[conn])]
+        if self._wake_read in ready:
+            os.read(self._wake_read, 4096)
+        for batch in self._batches(jobs):
+            self._run(batch)
 
     def _read(self, clients: dict[Any, _Client], client: _Client) -> list[_Job]:
         """The batch this connection sent (an empty list for a close, a departure or a refused layout)."""
