@@ -61,7 +61,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import common  # noqa: E402
+from bench import common, cpu_usage  # noqa: E402
 
 DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
@@ -112,6 +112,10 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
 
     def start(self, timeout_s: float) -> None:
         command = [*self.command, "--port", str(self.port)]
@@ -587,8 +591,10 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
         for payload in payloads:
             for concurrency in args.concurrency:
                 before = batch_counters(server.url)
+                cpu_before = cpu_usage.snapshot(server.pid) if server.pid else None
                 point = run_point(server.url, payload, concurrency, args.warmup, args.duration,
                                   procs=args.client_procs, client=args.client)
+                cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid) if server.pid else None)
                 after = batch_counters(server.url)
                 batch = None
                 if server.name == "naive":
@@ -596,11 +602,12 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
                 elif before and after and after[1] > before[1]:
                     batch = (after[0] - before[0]) / (after[1] - before[1])
                 row = _row(server.name, payload, concurrency, point, batch, eng)
+                row["cpu"] = cpu
                 rows.append(row)
                 print(
                     f"  {server.name:15s} {payload.series:6s} c={concurrency:3d}: {row['throughput']:8.1f}/s "
                     f"p50 {row['p50_ms']:8.2f} ms p99 {row['p99_ms']:8.2f} ms batch {_fmt(batch)} "
-                    f"errors {point.errors}",
+                    f"errors {point.errors}{cpu_usage.describe(cpu)}",
                     flush=True,
                 )
     return rows
