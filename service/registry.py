@@ -320,6 +320,7 @@ class ModelVersion:
             name=f"{self.name}:{self.version}",
             on_batch=self._on_batch,
             inline_max_s=self.config.inline_max_s,
+            in_flight=int(getattr(engine, "max_concurrent_calls", 1)),
         )
         self._batcher.start()
         warm = self._warmup_inputs()

@@ -143,6 +143,13 @@ class ServiceSettings(BaseSettings):
         "(one CUDA context; one engine per model version; batches of several workers merged). Off: each "
         "worker loads its own engines (separate CUDA contexts take turns on the GPU).",
     )
+    engine_process_in_flight: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="With the engine process: batches each worker keeps in flight per model (one connection "
+        "each), so the next batch forms and travels while one runs.",
+    )
     store_sync_s: float = Field(
         2.0, gt=0.0, le=3600.0, description="With workers > 1: how often a worker picks up other workers' "
         "uploads and deletes.",

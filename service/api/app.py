@@ -65,7 +65,9 @@ def create_app(
             metrics=metrics,
             prepare_store=role.prepare_store,
             follow_store=role.follow_store,
-            engine_loader=load_in_process if role.engine_host is None else RemoteEngineLoader(role.engine_host),
+            engine_loader=load_in_process
+            if role.engine_host is None
+            else RemoteEngineLoader(role.engine_host, in_flight=settings.engine_process_in_flight),
         )
     app = ServiceApp(
         title="onnx-cnn-serve",

@@ -95,11 +95,14 @@ class Batcher:
         on_batch: OnBatch | None = None,
         run_parts: RunParts | None = None,
         inline_max_s: float = 0.0,
+        in_flight: int = 1,
     ) -> None:
         if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0 or inline_max_s < 0:
             raise ValueError(
                 "need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0, inline_max_s >= 0"
             )
+        if in_flight < 1:
+            raise ValueError("need in_flight >= 1")
         self._run_batch = run_batch
         self._run_parts = run_parts
         self.max_batch_size = max_batch_size
@@ -116,7 +119,13 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
         self._forming: list[_Request] = []
-        self._executing = False
+        self._executing = 0
+        # Batches handed to the engine at once (``in_flight`` engine threads): 1 for an Engine (one thread
+        # at a time); more for engines that take concurrent calls, such as a pool of connections to the
+        # engine process, so the next batch forms and travels while one runs.
+        self.in_flight = in_flight
+        self._slots: asyncio.Semaphore | None = None
+        self._running: set[asyncio.Task[None]] = set()
         # Inline runs (see submit): allowed up to this engine time; the engine's last time per sample count
         # of a lone request, measured on whichever thread ran it.
         self.inline_max_s = inline_max_s if max_delay_s == 0 else 0.0
@@ -138,8 +147,9 @@ class Batcher:
         if self._task is not None:
             raise RuntimeError("batcher already started")
         self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.in_flight)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"engine-{self.name}"[:40]
+            max_workers=self.in_flight, thread_name_prefix=f"engine-{self.name}"[:40]
         )
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
@@ -286,22 +296,55 @@ class Batcher:
             try:
                 if not self._pending:
                     if self._closing:
+                        if self._running:  # batches still with the engine finish first
+                            await asyncio.gather(*self._running, return_exceptions=True)
                         return
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                batch = await self._collect()
-                if batch:
-                    await self._execute(batch)
+                if self.in_flight == 1:
+                    batch = await self._collect()
+                    if batch:
+                        await self._execute(batch)
+                else:
+                    await self._collect_and_hand_over()
             except asyncio.CancelledError:
                 error = ShuttingDownError("the model is shutting down")
                 for request in self._forming:
                     self._uncount(request)
                     _resolve_exception(request, copy.copy(error))
                 self._fail_pending(error)
+                for task in list(self._running):
+                    task.cancel()
                 raise
             except Exception:  # never let the batching task die: the model would hang forever
                 log.exception("batcher %s: unexpected error", self.name)
+
+    async def _collect_and_hand_over(self) -> None:
+        """With several batches in flight: wait for a free slot (requests keep queueing meanwhile, so
+        the batch is as full as the engine's pace allows), form a batch, and run it without waiting."""
+        assert self._slots is not None
+        await self._slots.acquire()
+        try:
+            batch = await self._collect()
+        except BaseException:
+            self._slots.release()
+            raise
+        live = self._hand_over(batch)  # now, before the next batch starts forming
+        if not live:
+            self._slots.release()
+            return
+        task = asyncio.get_running_loop().create_task(self._run_live(live), name=f"batch-{self.name}")
+        self._running.add(task)
+
+        def finished(done: asyncio.Task[None]) -> None:
+            self._running.discard(done)
+            assert self._slots is not None
+            self._slots.release()
+            if not done.cancelled() and done.exception() is not None:
+                log.error("batcher %s: batch failed: %s", self.name, done.exception())
+
+        task.add_done_callback(finished)
 
     def _oldest_live(self) -> _Request | None:
         """Pop queued requests until one that may still run; expired ones fail without running."""
@@ -364,6 +407,10 @@ class Batcher:
         return total, False
 
     async def _execute(self, batch: list[_Request]) -> None:
+        await self._run_live(self._hand_over(batch))
+
+    def _hand_over(self, batch: list[_Request]) -> list[_Request]:
+        """The formed batch leaves the queue's count; returns the requests still worth running."""
         self._forming = []
         now = time.monotonic()
         live = []
@@ -375,12 +422,15 @@ class Batcher:
                 _resolve_exception(request, _timeout_error(self.timeout_s))
                 continue
             live.append(request)
+        return live
+
+    async def _run_live(self, live: list[_Request]) -> None:
         if not live:
             return
         assert self._executor is not None
         total = sum(r.n for r in live)
         started = time.monotonic()
-        self._executing = True
+        self._executing += 1
         try:
             split = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._compute, [r.inputs for r in live], [r.n for r in live]
@@ -395,7 +445,7 @@ class Batcher:
                 _resolve_exception(request, copy.copy(error))
             return
         finally:
-            self._executing = False
+            self._executing -= 1
         compute_s = time.monotonic() - started
         for request, outputs in zip(live, split, strict=True):
             if not request.future.done():

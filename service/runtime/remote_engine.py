@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import queue
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,10 +45,14 @@ def rebuild_error(code: str, message: str) -> ServiceError:
 
 
 class RemoteEngineLoader:
-    """Loads engines in the engine process (see the module docstring)."""
+    """Loads engines in the engine process (see the module docstring). ``in_flight`` > 1: a pool of that
+    many connections per model version, so the worker's batcher can keep that many batches in flight."""
 
-    def __init__(self, address: HostAddress) -> None:
+    def __init__(self, address: HostAddress, *, in_flight: int = 1) -> None:
+        if in_flight < 1:
+            raise ValueError("in_flight must be at least 1")
         self.address = address
+        self.in_flight = in_flight
 
     def __call__(
         self,
@@ -58,10 +63,23 @@ class RemoteEngineLoader:
         cached_choice: dict[str, Any] | None,
         batch_limit: int = 1 << 30,
         label: str = "",
-    ) -> tuple[RemoteEngine, dict[str, Any]]:
+    ) -> tuple[RemoteEngine | RemoteEnginePool, dict[str, Any]]:
         request = LoadRequest(
             {name: str(path) for name, path in files.items()}, settings, precision, cached_choice, batch_limit, label
         )
+        first, record = self._connect(request)
+        if self.in_flight == 1:
+            return first, record
+        engines = [first]
+        try:  # the engine process shares one engine among these connections: no second tuning
+            engines += [self._connect(request)[0] for _ in range(self.in_flight - 1)]
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        return RemoteEnginePool(engines), record
+
+    def _connect(self, request: LoadRequest) -> tuple[RemoteEngine, dict[str, Any]]:
         try:
             conn = multiprocessing.connection.Client(
                 self.address.socket_path, family="AF_UNIX", authkey=self.address.authkey
@@ -165,6 +183,59 @@ class RemoteEngine:
         self.close()
 
 
+class RemoteEnginePool:
+    """Several connections to one engine in the engine process, for several batches in flight.
+
+    Thread-safe: each call takes an idle connection (waiting for one if all are busy) and copies the
+    outputs before handing it back (its buffer is reused by the next call). ``max_concurrent_calls``
+    tells the batcher how many engine threads to use.
+    """
+
+    def __init__(self, engines: Sequence[RemoteEngine]) -> None:
+        if not engines:
+            raise ValueError("a pool needs at least one engine")
+        first = engines[0]
+        self.inputs, self.outputs = first.inputs, first.outputs
+        self.max_batch_size, self.buckets = first.max_batch_size, first.buckets
+        self.provider, self.variant = first.provider, first.variant
+        self.max_concurrent_calls = len(engines)
+        self._engines = list(engines)
+        self._idle: queue.SimpleQueue[RemoteEngine] = queue.SimpleQueue()
+        for engine in engines:
+            self._idle.put(engine)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self._engines[0].describe(), "connections": len(self._engines)}
+
+    def bucket_for(self, n: int) -> int:
+        return self._engines[0].bucket_for(n)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.run_parts([feeds])
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        engine = self._idle.get()
+        try:
+            return {name: value.copy() for name, value in engine.run_parts(parts).items()}
+        finally:
+            self._idle.put(engine)
+
+    def close(self) -> None:
+        """Close every connection, each once no call is using it (a call never loses its engine)."""
+        for _ in self._engines:
+            try:
+                engine = self._idle.get(timeout=RUN_TIMEOUT_S)
+            except queue.Empty:
+                break
+            engine.close()
+
+    def __enter__(self) -> RemoteEnginePool:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
 def _layout(parts: Sequence[Mapping[str, np.ndarray]]) -> tuple[Any, int, int]:
     """The buffer layout of the parts stacked along axis 0, its size and the total rows; refuses parts
     that cannot be stacked (the engine process checks the rest against the model's signature)."""
@@ -191,4 +262,4 @@ def _layout(parts: Sequence[Mapping[str, np.ndarray]]) -> tuple[Any, int, int]:
     return layout, nbytes, rows
 
 
-__all__ = ["RemoteEngine", "RemoteEngineLoader", "rebuild_error"]
+__all__ = ["RemoteEngine", "RemoteEngineLoader", "RemoteEnginePool", "rebuild_error"]

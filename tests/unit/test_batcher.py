@@ -540,3 +540,61 @@ def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
 
     check_own(asyncio.run(main()), rows(3.0, 1))
     assert len(seen) == 2 and all(call[0] == 1 for call in seen)  # inline runs are reported as batches of 1
+
+
+def test_with_two_batches_in_flight_the_next_batch_runs_while_one_is_held():
+    """in_flight=2 (an engine that takes concurrent calls): a second batch forms and runs while the first
+    is still on the engine; every caller still gets exactly its rows; with 2 slots busy, requests wait."""
+
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=4, max_delay_s=0, in_flight=2)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(rows(1, 1)))
+        await asyncio.to_thread(engine.started.wait, 5)
+        more = [asyncio.ensure_future(batcher.submit(rows(float(i), 2))) for i in range(2, 6)]
+        deadline = time.monotonic() + 5
+        while engine.max_active < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        active_while_held = engine.max_active
+        calls_while_held = len(engine.calls)
+        engine.release.set()
+        results = await asyncio.gather(first, *more)
+        await batcher.stop()
+        return engine, active_while_held, calls_while_held, results
+
+    engine, active, calls, results = asyncio.run(main())
+    assert active == 2 and calls == 2  # two batches on the engine at once, the third waited for a slot
+    check_own(results[0], rows(1, 1))
+    for i, result in zip(range(2, 6), results[1:], strict=True):
+        check_own(result, rows(float(i), 2))
+    assert len(engine.threads) == 2
+    assert sum(len(c) for c in engine.calls) == 9
+
+
+def test_stop_waits_for_every_batch_in_flight():
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0, in_flight=3)
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(3)]
+        deadline = time.monotonic() + 5
+        while engine.max_active < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        finalized = []
+        stopping = asyncio.ensure_future(batcher.stop(drain=True, finalize=lambda: finalized.append(engine._active)))
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # three calls still on the engine
+        engine.release.set()
+        await stopping
+        return finalized, await asyncio.gather(*tasks)
+
+    finalized, results = asyncio.run(main())
+    assert finalized == [0]  # the engine was finalized with no call running
+    for i, result in enumerate(results):
+        check_own(result, rows(i, 1))
+
+
+def test_in_flight_must_be_positive():
+    with pytest.raises(ValueError, match="in_flight"):
+        make(FakeEngine(), in_flight=0)

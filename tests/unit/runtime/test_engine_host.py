@@ -96,6 +96,36 @@ def test_workers_loading_the_same_version_share_one_engine(folder: Path, model_f
         host.close()
 
 
+def test_a_pool_of_connections_shares_one_engine_and_serves_calls_at_once(folder: Path, model_file: Path) -> None:
+    host = _host(folder)
+    try:
+        pool, _ = RemoteEngineLoader(_address(folder), in_flight=3)(
+            {"plain": model_file}, CPU, precision="fp32", cached_choice=None
+        )
+        assert pool.max_concurrent_calls == 3
+        (hosted,) = host.engines()
+        assert hosted.refs == 3  # three connections, one engine
+        rng = np.random.default_rng(5)
+        xs = [rng.normal(size=(2, 3, 8, 8)).astype(np.float32) for _ in range(12)]
+        results: dict[int, np.ndarray] = {}
+
+        def call(i: int) -> None:
+            results[i] = pool.run({"input": xs[i]})["logits"]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        for i, x in enumerate(xs):
+            want = reference(model_file.read_bytes(), {"input": x})["logits"]
+            np.testing.assert_allclose(results[i], want, rtol=1e-5, atol=1e-6)
+        pool.close()
+        assert host.engines() == []
+    finally:
+        host.close()
+
+
 def test_errors_come_back_as_service_errors_and_the_host_survives(folder: Path, model_file: Path) -> None:
     host = _host(folder)
     try:
