@@ -13,8 +13,9 @@ exporter (dynamo=False, opset 17, do_constant_folding=True, dynamic batch).
 Engines, at batch 1 and 64: torch_eager, torch_cudagraph (manual capture), torch_compile
 (mode="reduce-overhead"), ort_default (ORT_ENABLE_ALL, IO binding with device buffers, no CUDA graph),
 ours_fp32 and ours_fp16 (service.optimizer.optimize + Engine, the variant picked by
-service.runtime.autotune), and ours_fp32_hostio (our engine with numpy arrays in and out: the copies a
-server pays).
+service.runtime.autotune), ours_auto with ``--precisions ...,auto`` (precision "auto": possibly fp32 CUDA
+graphs for small buckets and fp16 without graphs for large ones), and ours_fp32_hostio (our engine with
+numpy arrays in and out: the copies a server pays).
 
 How one run is organised, and why:
 - This process (the orchestrator) never touches CUDA: it exports the models on the CPU, runs our
@@ -79,9 +80,13 @@ from bench.common import (  # noqa: E402
 
 MODELS = ("mnv3_2019", "resnet50", "mnv3_native")  # most important first: a deadline drops the tail
 ENGINES = ("torch_eager", "torch_cudagraph", "torch_compile", "ort_default", "ours_fp32", "ours_fp32_hostio",
-           "ours_fp16")  # table order and the order within a round
+           "ours_fp16", "ours_auto")  # table order and the order within a round
 BASELINES = ("torch_eager", "torch_cudagraph", "torch_compile", "ort_default")
-OURS = ("ours_fp32", "ours_fp16")
+OURS = ("ours_fp32", "ours_fp16", "ours_auto")
+TUNED_PRECISIONS = ("fp16", "auto")
+"""Precisions with a worker of their own per model (``<precision>-<model>``): fp16 MobileNetV3 is the engine
+that crashed when it shared a process; ``auto`` may serve fp32 CUDA graphs for small buckets and an fp16
+graphless engine for large ones (service.runtime.split_engine)."""
 COUNT_OPTIONS = {"device_id": "0", "cudnn_conv_algo_search": "HEURISTIC"}  # counting needs no tuned kernels
 SETUP_GRACE_S = 150.0  # process start, imports, CUDA context, cuDNN searches: on top of a worker's own budget
 TIME_TIMEOUT_S = 120.0  # one timing block; a worker silent for longer is taken as hung
@@ -392,16 +397,26 @@ def setup_ort(spec: dict[str, Any]) -> WorkerState:
 
 def setup_fp16(spec: dict[str, Any]) -> WorkerState:
     """ours_fp16 of one model, alone in its process (fp16 MobileNetV3 is the engine that crashed when shared)."""
+    return _setup_tuned(spec, "fp16")
+
+
+def setup_auto(spec: dict[str, Any]) -> WorkerState:
+    """ours_auto of one model, alone in its process: what ``precision: "auto"`` serves (fp32 or fp16 per
+    configuration, large buckets possibly on a second, graphless engine)."""
+    return _setup_tuned(spec, "auto")
+
+
+def _setup_tuned(spec: dict[str, Any], precision: str) -> WorkerState:
     name = spec["models"][0]
     _export, candidates = load_graphs(spec["files"][name])
-    engine, record = tuned_engine(name, candidates, _ort_settings(spec), "fp16", spec["tune_budget_s"])
-    state = WorkerState([], meta={"autotune": {name: {"fp16": record}}})
-    if engine.describe()["precision"] != "fp16":  # refused by its accuracy check (or the tuner failed)
+    engine, record = tuned_engine(name, candidates, _ort_settings(spec), precision, spec["tune_budget_s"])
+    state = WorkerState([], meta={"autotune": {name: {precision: record}}})
+    if precision == "fp16" and engine.describe()["precision"] != "fp16":  # refused by its check, or untimed
         state.meta["skipped"] = [f"ours_fp16 {name}: served {engine.variant} instead ({record.get('reason')}; "
                                  f"{record.get('skipped')})"]
         engine.close()
         return state
-    state.runners = ours_runners(engine, name, spec["batches"], "fp16")
+    state.runners = ours_runners(engine, name, spec["batches"], precision)
     return state
 
 
@@ -922,7 +937,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-budget-s", type=float, default=150.0,
                    help="wall seconds each compile worker may start compiles in (they run in parallel)")
     p.add_argument("--compile-batches", default="1,64", help="batch sizes that get a torch.compile row")
-    p.add_argument("--precisions", default="fp32,fp16", help="our engines' precisions to bench")
+    p.add_argument("--precisions", default="fp32,fp16",
+                   help="our engines' precisions to bench: fp32, fp16, auto (fp16 and auto: a worker per model)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the JSON goes (default bench/results)")
     p.add_argument("--simulate-crash", default=None, help=argparse.SUPPRESS)  # WORKER[:N], see _crash_at
     args = p.parse_args(argv)
@@ -1007,15 +1023,19 @@ def start_quiet_workers(run: Run, args: argparse.Namespace, names: list[str],
         return
     run.start("ort", setup_ort, worker_spec(args, "ort", list(files), files))
     run.wait_ready("ort", min(len(files) * tune_s, run.deadline.left()))
-    if args.mode != "gpu" or "fp16" not in args.precisions.split(","):
-        run.payload["skipped"].append("ours_fp16: " + ("GPU only" if args.mode != "gpu" else "not asked for"))
-        return
-    for name in files:
-        if run.deadline.left() < args.tune_budget_s + args.measure_reserve_s:
-            run.payload["skipped"].append(f"ours_fp16 {name}: deadline")
+    setups = {"fp16": setup_fp16, "auto": setup_auto}
+    for precision in TUNED_PRECISIONS:
+        if args.mode != "gpu" or precision not in args.precisions.split(","):
+            reason = "GPU only" if args.mode != "gpu" else "not asked for"
+            run.payload["skipped"].append(f"ours_{precision}: {reason}")
             continue
-        run.start(f"fp16-{name}", setup_fp16, worker_spec(args, f"fp16-{name}", [name], files))
-        run.wait_ready(f"fp16-{name}", min(tune_s, run.deadline.left()))
+        for name in files:
+            if run.deadline.left() < args.tune_budget_s + args.measure_reserve_s:
+                run.payload["skipped"].append(f"ours_{precision} {name}: deadline")
+                continue
+            worker = f"{precision}-{name}"
+            run.start(worker, setups[precision], worker_spec(args, worker, [name], files))
+            run.wait_ready(worker, min(tune_s, run.deadline.left()))
 
 
 def orchestrate(args: argparse.Namespace, head: dict[str, Any]) -> int:
