@@ -235,7 +235,7 @@ def _run_in_thread(engine: Any, x: np.ndarray, results: dict[str, Any], key: str
 
 def _queued(host: EngineHost, jobs: int) -> None:
     """Give the client threads time to send (their batches then wait in the sockets for the engine)."""
-    threading.Event().wait(0.5)
+    threading.Event().wait(1.0)
 
 
 def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path) -> None:
