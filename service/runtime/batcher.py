@@ -5,7 +5,9 @@ Concurrent requests for one model are queued, concatenated along axis 0 up to ``
 so that every caller gets exactly its own rows. Why this shape:
 
 * The engine is not thread-safe (one IO binding, one CUDA graph per bucket), so every engine call happens
-  on a single dedicated worker thread; the asyncio task only forms batches and resolves futures.
+  on a single dedicated worker thread; the asyncio task only forms batches and resolves futures. An engine
+  that takes concurrent calls (a pool of connections to the engine process) gets ``in_flight`` threads:
+  the next batch forms and is handed over while earlier ones run.
 * The queue is bounded in *samples*, not requests: a request carrying its own batch of N counts N. When
   it is full, ``submit`` fails at once with ``QueueFullError`` (503 + Retry-After) instead of letting
   memory and latency grow without bound.
