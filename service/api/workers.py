@@ -72,8 +72,10 @@ def serve_workers(settings: ServiceSettings) -> int:
         return 1
     metrics_dir = Path(tempfile.mkdtemp(prefix="service-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
-    engine_dir = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
-    address = engine_host_address(engine_dir) if settings.engine_process else None
+    engine_dir = (  # mode 0700
+        Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder())) if settings.engine_process else None
+    )
+    address = engine_host_address(engine_dir) if engine_dir is not None else None
     try:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
@@ -83,7 +85,8 @@ def serve_workers(settings: ServiceSettings) -> int:
     finally:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-        shutil.rmtree(engine_dir, ignore_errors=True)
+        if engine_dir is not None:
+            shutil.rmtree(engine_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
