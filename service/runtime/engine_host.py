@@ -165,7 +165,6 @@ class HostedEngine:
         self._engine_closed = False
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
-        self.calls = 0
         self.merged_calls = 0
 
     def description(self) -> dict[str, Any]:
@@ -174,7 +173,6 @@ class HostedEngine:
             "inputs": list(engine.inputs),
             "outputs": list(engine.outputs),
             "max_batch_size": int(engine.max_batch_size),
-            "buckets": tuple(getattr(engine, "buckets", (int(engine.max_batch_size),))),
             "provider": getattr(engine, "provider", "?"),
             "variant": getattr(engine, "variant", "?"),
             "record": self.record,
@@ -285,7 +283,6 @@ class HostedEngine:
         return batches
 
     def _run(self, batch: list[_Job]) -> None:
-        self.calls += 1
         if self._observe is not None:
             self._observe(self.label, sum(job.n for job in batch))
         try:

@@ -107,19 +107,12 @@ class RemoteEngine:
         self.inputs = list(description["inputs"])
         self.outputs = list(description["outputs"])
         self.max_batch_size = int(description["max_batch_size"])
-        self.buckets = tuple(description["buckets"])
         self.provider = f"engine process ({description['provider']})"
         self.variant = description["variant"]
         self._in = GrowingBuffer(folder, prefix="in")
         self._out = AttachedBuffers(folder)
         self._guard = threading.Lock()
         self._closed = False
-
-    def describe(self) -> dict[str, Any]:
-        return {"provider": self.provider, "variant": self.variant, "buckets": list(self.buckets)}
-
-    def bucket_for(self, n: int) -> int:
-        return next((size for size in self.buckets if size >= n), self.max_batch_size)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -196,19 +189,13 @@ class RemoteEnginePool:
             raise ValueError("a pool needs at least one engine")
         first = engines[0]
         self.inputs, self.outputs = first.inputs, first.outputs
-        self.max_batch_size, self.buckets = first.max_batch_size, first.buckets
+        self.max_batch_size = first.max_batch_size
         self.provider, self.variant = first.provider, first.variant
         self.max_concurrent_calls = len(engines)
         self._engines = list(engines)
         self._idle: queue.SimpleQueue[RemoteEngine] = queue.SimpleQueue()
         for engine in engines:
             self._idle.put(engine)
-
-    def describe(self) -> dict[str, Any]:
-        return {**self._engines[0].describe(), "connections": len(self._engines)}
-
-    def bucket_for(self, n: int) -> int:
-        return self._engines[0].bucket_for(n)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
