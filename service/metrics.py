@@ -39,6 +39,24 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
+class _Children:
+    """``metric.labels(*values)``, kept: prometheus-client rebuilds and checks the label tuple on every call,
+    several microseconds each, and a request records up to six series."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def get(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def forget(self, metric: Any, *values: str) -> None:
+        self._children.pop((id(metric), values), None)
+
+
 class Metrics:
     """The service's metric series, registered in a private registry."""
 
@@ -76,16 +94,8 @@ class Metrics:
         self.loaded_models = Gauge(
             "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
         )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-
-    def _labelled(self, metric: Any, *values: str) -> Any:
-        """``metric.labels(*values)``, kept: prometheus-client rebuilds and checks the label tuple on every
-        call, several microseconds each, and a request records up to six series."""
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
-        return child
+        self._children = _Children()
+        self._labelled = self._children.get
 
     # -- MetricsSink (called by the registry / batcher, possibly from engine threads) --------------------
     def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None:
@@ -120,7 +130,7 @@ class Metrics:
 
     def forget_version(self, model: str, version: int) -> None:
         """Drop the per-version series of a deleted model version."""
-        self._children.pop((id(self.queue_depth), (model, str(version))), None)
+        self._children.forget(self.queue_depth, model, str(version))
         with contextlib.suppress(KeyError):
             self.queue_depth.remove(model, str(version))
 
@@ -148,11 +158,8 @@ class EngineProcessMetrics:
             "service_engine_process_batch_size", "Samples per engine call in the engine process (batches of "
             "several workers merged).", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
         )
-        self._children: dict[str, Any] = {}
+        self._labelled = _Children().get
 
     def observe_call(self, model: str, samples: int) -> None:
-        child = self._children.get(model)
-        if child is None:
-            child = self._children[model] = self.batch_size.labels(model)
-        child.observe(samples)
+        self._labelled(self.batch_size, model).observe(samples)
 
