@@ -304,12 +304,7 @@ class Batcher:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                if self.in_flight == 1:
-                    batch = await self._collect()
-                    if batch:
-                        await self._execute(batch)
-                else:
-                    await self._collect_and_hand_over()
+                await self._collect_and_hand_over()
             except asyncio.CancelledError:
                 error = ShuttingDownError("the model is shutting down")
                 for request in self._forming:
@@ -323,8 +318,8 @@ class Batcher:
                 log.exception("batcher %s: unexpected error", self.name)
 
     async def _collect_and_hand_over(self) -> None:
-        """With several batches in flight: wait for a free slot (requests keep queueing meanwhile, so
-        the batch is as full as the engine's pace allows), form a batch, and run it without waiting."""
+        """Wait for a free slot of ``in_flight`` (requests keep queueing meanwhile, so the batch is as full
+        as the engine's pace allows), form a batch, and hand it to the engine without waiting for it."""
         assert self._slots is not None
         await self._slots.acquire()
         try:
@@ -407,9 +402,6 @@ class Batcher:
             batch.append(request)
             total += request.n
         return total, False
-
-    async def _execute(self, batch: list[_Request]) -> None:
-        await self._run_live(self._hand_over(batch))
 
     def _hand_over(self, batch: list[_Request]) -> list[_Request]:
         """The formed batch leaves the queue's count; returns the requests still worth running."""
