@@ -47,9 +47,10 @@ def _host_busy_s() -> float:
     return sum(times) - idle
 
 
-def snapshot(pid: int) -> Snapshot | None:
-    """The server's process tree (``pid`` and its descendants) and the host, now; None without psutil."""
-    if psutil is None:
+def snapshot(pid: int | None) -> Snapshot | None:
+    """The server's process tree (``pid`` and its descendants) and the host, now; None without psutil or
+    without a process."""
+    if psutil is None or pid is None:
         return None
     try:
         root = psutil.Process(pid)

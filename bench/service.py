@@ -593,10 +593,10 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
         for payload in payloads:
             for concurrency in args.concurrency:
                 before = batch_counters(server.url)
-                cpu_before = cpu_usage.snapshot(server.pid) if server.pid else None
+                cpu_before = cpu_usage.snapshot(server.pid)
                 point = run_point(server.url, payload, concurrency, args.warmup, args.duration,
                                   procs=args.client_procs, client=args.client)
-                cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid) if server.pid else None)
+                cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid))
                 after = batch_counters(server.url)
                 batch = None
                 if server.name == "naive":
