@@ -6,6 +6,7 @@ engine where the test needs to control when a batch runs (merging several worker
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -52,13 +53,21 @@ def _host(folder: Path, loader: Any = load_request_in_process) -> EngineHost:
     return host
 
 
+@contextlib.contextmanager
+def _hosting(folder: Path, loader: Any = load_request_in_process) -> Iterator[EngineHost]:
+    host = _host(folder, loader)
+    try:
+        yield host
+    finally:
+        host.close()
+
+
 def _load(folder: Path, files: Mapping[str, Path], **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     return RemoteEngineLoader(_address(folder))(files, CPU, precision="fp32", cached_choice=None, **kwargs)
 
 
 def test_remote_engine_answers_as_onnx_runtime_does(folder: Path, model_file: Path) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder):
         engine, record = _load(folder, {"plain": model_file})
         assert record["device"] == "cpu"
         assert [s.name for s in engine.inputs] == ["input"] and engine.max_batch_size == 8
@@ -74,13 +83,10 @@ def test_remote_engine_answers_as_onnx_runtime_does(folder: Path, model_file: Pa
         want = reference(model_file.read_bytes(), {"input": np.concatenate([a, b])})["logits"]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         engine.close()
-    finally:
-        host.close()
 
 
 def test_workers_loading_the_same_version_share_one_engine(folder: Path, model_file: Path) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder) as host:
         first, record = _load(folder, {"plain": model_file})
         second, again = _load(folder, {"plain": model_file}, batch_limit=4)
         assert again == record
@@ -92,13 +98,10 @@ def test_workers_loading_the_same_version_share_one_engine(folder: Path, model_f
         assert second.run({"input": x})["logits"].shape == (2, 3)  # still served after the other let go
         second.close()
         assert host.engines() == []
-    finally:
-        host.close()
 
 
 def test_a_pool_of_connections_shares_one_engine_and_serves_calls_at_once(folder: Path, model_file: Path) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder) as host:
         pool, _ = RemoteEngineLoader(_address(folder), in_flight=3)(
             {"plain": model_file}, CPU, precision="fp32", cached_choice=None
         )
@@ -122,13 +125,10 @@ def test_a_pool_of_connections_shares_one_engine_and_serves_calls_at_once(folder
             np.testing.assert_allclose(results[i], want, rtol=1e-5, atol=1e-6)
         pool.close()
         assert host.engines() == []
-    finally:
-        host.close()
 
 
 def test_errors_come_back_as_service_errors_and_the_host_survives(folder: Path, model_file: Path) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder):
         broken = folder / "broken.onnx"
         broken.write_bytes(b"not a model")
         with pytest.raises(EngineError):
@@ -140,15 +140,12 @@ def test_errors_come_back_as_service_errors_and_the_host_survives(folder: Path, 
             engine.run_parts([{"input": np.ones((1, 3, 8, 8), np.float32)}, {"input": np.ones((1, 3, 8, 8))}])
         assert engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})["logits"].shape == (1, 3)
         engine.close()
-    finally:
-        host.close()
 
 
 def test_a_full_shared_memory_fails_the_call_with_a_clear_error(
     folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder):
         engine, _ = _load(folder, {"plain": model_file})
 
         def no_space(fd: int, offset: int, size: int) -> None:
@@ -161,19 +158,14 @@ def test_a_full_shared_memory_fails_the_call_with_a_clear_error(
         monkeypatch.undo()
         assert engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})["logits"].shape == (1, 3)
         engine.close()
-    finally:
-        host.close()
 
 
 def test_a_wrong_key_is_refused(folder: Path, model_file: Path) -> None:
-    host = _host(folder)
-    try:
+    with _hosting(folder) as host:
         loader = RemoteEngineLoader(_address(folder, key=b"x" * 32))
         with pytest.raises(EngineError, match="cannot reach"):
             loader({"plain": model_file}, CPU, precision="fp32", cached_choice=None)
         assert host.engines() == []
-    finally:
-        host.close()
 
 
 def test_a_stopped_host_fails_the_call_not_the_worker(folder: Path, model_file: Path) -> None:
@@ -240,8 +232,7 @@ def _queued(host: EngineHost, jobs: int) -> None:
 
 def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path) -> None:
     fake = _GatedEngine()
-    host = _host(folder, loader=_fake_loader(fake))
-    try:
+    with _hosting(folder, loader=_fake_loader(fake)) as host:
         engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
         results: dict[str, Any] = {}
         xs = {key: np.full((n, 4), i + 1, np.float32) for i, (key, n) in enumerate((("a", 1), ("b", 2), ("c", 3)))}
@@ -263,14 +254,11 @@ def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_f
         for engine in engines:
             engine.close()
         assert fake.closed
-    finally:
-        host.close()
 
 
 def test_a_bad_job_in_a_merged_batch_fails_alone(folder: Path, model_file: Path) -> None:
     fake = _GatedEngine()
-    host = _host(folder, loader=_fake_loader(fake))
-    try:
+    with _hosting(folder, loader=_fake_loader(fake)) as host:
         engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
         results: dict[str, Any] = {}
         first = _run_in_thread(engines[0], np.ones((1, 4), np.float32), results, "first")
@@ -290,8 +278,6 @@ def test_a_bad_job_in_a_merged_batch_fails_alone(folder: Path, model_file: Path)
         assert isinstance(results["bad"], InvalidInputError) and "NaN" in str(results["bad"])
         for engine in engines:
             engine.close()
-    finally:
-        host.close()
 
 
 def test_shared_buffers_grow_and_map_only_their_own_folder(folder: Path) -> None:
