@@ -46,7 +46,7 @@ from service.model_config import EffectiveConfig, ModelConfig
 from service.optimizer_worker import OptimizeOutcome, OptimizerRunner
 from service.runtime.batcher import Batcher
 from service.runtime.loading import EngineLoader, load_in_process
-from service.runtime.types import KSERVE_TO_NUMPY, TensorSpec
+from service.runtime.types import KSERVE_TO_NUMPY, TensorSpec, samples_per_call
 from service.settings import ServiceSettings
 from service.store import ORIGINAL, ModelStore, cache_key, sha256_file
 from service.validation import MAX_FIXED_ELEMENTS, validate_model_name
@@ -307,9 +307,9 @@ class ModelVersion:
         """Attach a loaded engine, start the batcher and warm the whole path once; then READY."""
         self._engine = engine
         self.inputs, self.outputs = list(engine.inputs), list(engine.outputs)
-        self.max_batch_size = max(1, min(self.config.max_batch_size, int(engine.max_batch_size)))
-        if any(spec.shape[0] is not None for spec in self.inputs) or any(not s.shape for s in self.outputs):
-            self.max_batch_size = 1  # a fixed batch dim or an output without one: never concatenate requests
+        self.max_batch_size = samples_per_call(
+            self.inputs, self.outputs, self.config.max_batch_size, engine.max_batch_size
+        )
         self._batcher = Batcher(
             engine.run,
             run_parts=engine.run_parts,

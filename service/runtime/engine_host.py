@@ -41,6 +41,7 @@ import numpy as np
 from service.errors import EngineError, ServiceError
 from service.runtime.loading import load_in_process
 from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
+from service.runtime.types import samples_per_call
 from service.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,7 @@ class HostedEngine:
         self.engine = engine
         self.record = record
         self.refs = 0
-        batchable = all(s.shape[0] is None for s in engine.inputs) and all(s.shape for s in engine.outputs)
-        self.merge_limit = max(1, min(int(batch_limit), int(engine.max_batch_size))) if batchable else 1
+        self.merge_limit = samples_per_call(engine.inputs, engine.outputs, batch_limit, engine.max_batch_size)
         self._thread = threading.Thread(target=self._loop, name="engine-host-run", daemon=True)
         self._state = threading.Lock()
         self._stopped = False

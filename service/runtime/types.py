@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,3 +65,14 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "datatype": self.datatype, "shape": self.kserve_shape()}
+
+
+def samples_per_call(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], configured: int,
+                     engine_max: int) -> int:
+    """Most samples one engine call may take when requests are concatenated: the configured batch size
+    within the engine's largest bucket, or 1 when requests cannot be concatenated (an input with a fixed
+    batch dim, or an output without a batch dim)."""
+    if any(spec.shape[0] is not None for spec in inputs) or any(not spec.shape for spec in outputs):
+        return 1
+    return max(1, min(int(configured), int(engine_max)))
+
