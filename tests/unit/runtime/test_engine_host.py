@@ -168,6 +168,18 @@ def test_a_wrong_key_is_refused(folder: Path, model_file: Path) -> None:
         assert host.engines() == []
 
 
+def test_a_host_that_stops_during_a_load_fails_the_load(folder: Path, model_file: Path) -> None:
+    holder: dict[str, EngineHost] = {}
+
+    def dying_loader(request: LoadRequest) -> tuple[Any, dict[str, Any]]:
+        holder["host"].close()  # ends the connection that waits for this load
+        raise RuntimeError("never answered")
+
+    holder["host"] = _host(folder, dying_loader)
+    with pytest.raises(EngineError, match="stopped while loading"):
+        _load(folder, {"plain": model_file})
+
+
 def test_a_stopped_host_fails_the_call_not_the_worker(folder: Path, model_file: Path) -> None:
     host = _host(folder)
     engine, _ = _load(folder, {"plain": model_file})
@@ -228,6 +240,31 @@ def _run_in_thread(engine: Any, x: np.ndarray, results: dict[str, Any], key: str
 def _queued(host: EngineHost, jobs: int) -> None:
     """Give the client threads time to send (their batches then wait in the sockets for the engine)."""
     threading.Event().wait(1.0)
+
+
+def test_a_silent_engine_process_and_a_second_caller_get_clear_errors(
+    folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.runtime import remote_engine
+
+    fake = _GatedEngine()
+    with _hosting(folder, loader=_fake_loader(fake)):
+        engine = _load(folder, {"plain": model_file})[0]
+        monkeypatch.setattr(remote_engine, "RUN_TIMEOUT_S", 0.5)
+        results: dict[str, Any] = {}
+        held = _run_in_thread(engine, np.ones((1, 4), np.float32), results, "held")
+        for _ in range(200):  # the first call is inside the engine, held at the gate
+            if fake.calls:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(EngineError, match="busy"):  # one thread at a time, as for an Engine
+            engine.run({"x": np.ones((1, 4), np.float32)})
+        held.join(10)
+        assert isinstance(results["held"], EngineError) and "did not answer" in str(results["held"])
+        with pytest.raises(EngineError, match="closed"):  # given up: later calls fail at once
+            engine.run({"x": np.ones((1, 4), np.float32)})
+        fake.gate.set()
+        engine.close()
 
 
 def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path) -> None:
