@@ -150,6 +150,12 @@ class ServiceSettings(BaseSettings):
         description="With the engine process: batches each worker keeps in flight per model (one connection "
         "each), so the next batch forms and travels while one runs.",
     )
+    engine_process_pipeline: bool = Field(
+        True,
+        description="With the engine process: a second thread per engine runs it, so that reading the next "
+        "batches and answering the last ones overlap the device's work. Off: one thread reads, runs and "
+        "answers in turn.",
+    )
     store_sync_s: float = Field(
         2.0, gt=0.0, le=3600.0, description="With workers > 1: how often a worker picks up other workers' "
         "uploads and deletes.",

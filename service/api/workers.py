@@ -295,7 +295,7 @@ def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready:
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    host = EngineHost(address, observe=EngineProcessMetrics().observe_call)
+    host = EngineHost(address, observe=EngineProcessMetrics().observe_call, pipeline=settings.engine_process_pipeline)
     host.start()
     log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
     ready.set()

@@ -15,9 +15,11 @@ How:
 * Tensors travel through shared buffers (``service.runtime.shared_buffer``): the worker writes its batch
   into its own mapped file and sends only the layout; the answer comes back the same way in a file this
   process made for the connection.
-* Each engine has one thread (an Engine is used by one thread at a time). It merges what waits, from
-  several workers, into one engine call of up to ``batch_limit`` samples (the model's max_batch_size) and
-  splits the outputs back. A merged call that fails is retried request by request, so one bad request
+* Each engine has one thread that serves its connections (reads the batches, answers them) and, with
+  ``pipeline`` (the default), a second one that runs the engine (an Engine is used by one thread at a time),
+  so that reading and answering overlap the GPU's work. The runner merges what waits, from several
+  workers, into one engine call of up to ``batch_limit`` samples (the model's max_batch_size) and the
+  outputs are split back. A merged call that fails is retried request by request, so one bad request
   fails alone.
 * A worker that dies closes its connection: its references go, and an engine nobody uses is closed.
 """
@@ -30,6 +32,7 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -139,17 +142,29 @@ class _Job:
         return tuple((name, v.shape[1:], v.dtype.str) for name, v in sorted(self.feeds.items()))
 
 
+Outcome = Mapping[str, np.ndarray] | BaseException
+"""What a job gets: its outputs or its error."""
+
+
 class HostedEngine:
-    """One engine, shared by every connection that loaded it. One thread runs it and serves those
-    connections itself: it waits until some are readable, reads every batch that waits, runs them merged
-    (same sample shapes, up to ``merge_limit`` samples per call) and answers each. No hand-over between
-    threads: with a thread per connection handing jobs to the engine's thread, a lone request through 6
-    workers took 2.30 ms at p50 on the H200 host; served this way, 1.70 ms (bench/results/service-2026-11-30-
-    cuda-run7-engine-process.json and ...-run8-engine-thread.json)."""
+    """One engine, shared by every connection that loaded it.
+
+    The serving thread waits until some connections are readable and reads every batch that waits. The
+    batches run merged (same sample shapes, up to ``merge_limit`` samples per call) and each is answered.
+    With ``pipeline`` a runner thread runs them while the serving thread reads the next ones and answers
+    the last ones; without it the serving thread runs them itself.
+
+    Why the runner: on the H200 host the engine process was the busiest process of the server (0.87 of a
+    core) while the GPU ran only 0.4-0.6 of the time (bench/results/service-2026-12-01-cuda-in-flight.json):
+    reading, merging and answering a batch happened between engine calls, with the GPU idle. One thread per
+    engine, not one per connection: with a thread per connection handing jobs to the engine's thread, a lone
+    request through 6 workers took 2.30 ms at p50 on the H200 host against 1.70 with one thread
+    (bench/results/service-2026-11-30-cuda-run7-engine-process.json and ...-run8-engine-thread.json)."""
 
     def __init__(
         self, key: str, engine: Any, record: dict[str, Any], batch_limit: int, *, label: str = "",
         observe: BatchObserver | None = None, release: Callable[[HostedEngine], None] | None = None,
+        pipeline: bool = True,
     ) -> None:
         self.key = key
         self.label = label
@@ -167,6 +182,11 @@ class HostedEngine:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self.merged_calls = 0
+        self._work: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[list[tuple[_Job, Outcome]]] = queue.SimpleQueue()
+        self._runner = (threading.Thread(target=self._run_loop, name="engine-host-gpu", daemon=True)
+                        if pipeline else None)
+        self._runner_stopped = False
 
     def description(self) -> dict[str, Any]:
         engine = self.engine
@@ -180,6 +200,8 @@ class HostedEngine:
         }
 
     def start(self) -> None:
+        if self._runner is not None:
+            self._runner.start()
         self._thread.start()
 
     def attach(self, client: _Client) -> None:
@@ -202,12 +224,16 @@ class HostedEngine:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_write, b"x")
 
-    # ------------------------------------------------------------------ the engine's thread
+    # ------------------------------------------------------------------ the serving thread
 
-    def _loop(self) -> None:
+    def _prepare_engine_thread(self) -> None:
         prepare = getattr(self.engine, "prepare_thread", None)
         if prepare is not None:
-            prepare()  # capture CUDA graphs for this thread now, not in the first request
+            prepare()  # capture CUDA graphs for the thread that runs the engine now, not in the first request
+
+    def _loop(self) -> None:
+        if self._runner is None:
+            self._prepare_engine_thread()
         clients: dict[Any, _Client] = {}
         try:
             while True:
@@ -222,11 +248,21 @@ class HostedEngine:
                 except Exception:  # never let the thread die: every worker using this engine would hang
                     log.exception("engine process: unexpected error serving %s", self.label or self.key)
         finally:
+            self._stop_runner()
+            self._answer_done()
             for client in clients.values():
                 client.close()
             self._close_engine()
             os.close(self._wake_read)
             os.close(self._wake_write)
+
+    def _stop_runner(self) -> None:
+        """Let the runner finish the batches handed to it, then end it (a no-op without one)."""
+        if self._runner is None or self._runner_stopped:
+            return
+        self._runner_stopped = True
+        self._work.put(None)
+        self._runner.join()
 
     def _close_engine(self) -> None:
         if not self._engine_closed:
@@ -234,13 +270,27 @@ class HostedEngine:
             self.engine.close()
 
     def _serve_once(self, clients: dict[Any, _Client]) -> None:
-        """Wait until some connection is readable (or a wake-up), read every batch that waits, run, answer."""
+        """Wait until some connection is readable (or a wake-up), read every batch that waits and run it
+        (with the runner: hand it over), answer what the runner finished."""
         ready = multiprocessing.connection.wait([*clients, self._wake_read])
         jobs = [job for conn in ready if conn != self._wake_read for job in self._read(clients, clients[conn])]
         if self._wake_read in ready:
             os.read(self._wake_read, 4096)
-        for batch in self._batches(jobs):
-            self._run(batch)
+        if self._runner is None:
+            for batch in self._batches(jobs):
+                _answer(self._execute(batch))
+            return
+        if jobs:
+            self._work.put(jobs)
+        self._answer_done()
+
+    def _answer_done(self) -> None:
+        while True:
+            try:
+                results = self._done.get_nowait()
+            except queue.Empty:
+                return
+            _answer(results)
 
     def _read(self, clients: dict[Any, _Client], client: _Client) -> list[_Job]:
         """The batch this connection sent (an empty list for a close, a departure or a refused layout)."""
@@ -264,6 +314,8 @@ class HostedEngine:
         if self._release is not None:
             self._release(self)
         if self._stopped:  # that was the last user: the engine is closed before the worker hears back
+            self._stop_runner()
+            self._answer_done()
             self._close_engine()
         if answer:
             client._send(("ok",))
@@ -283,7 +335,35 @@ class HostedEngine:
                 rows = job.n
         return batches
 
-    def _run(self, batch: list[_Job]) -> None:
+    # ------------------------------------------------------------------ running the engine
+
+    def _run_loop(self) -> None:
+        """The runner thread: run what the serving thread hands over, merged with whatever else waits."""
+        self._prepare_engine_thread()
+        while True:
+            jobs = self._work.get()
+            stop = jobs is None
+            jobs = jobs or []
+            while not stop:
+                try:
+                    more = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                stop = more is None
+                jobs.extend(more or [])
+            for batch in self._batches(jobs):
+                try:
+                    results = self._execute(batch)
+                except Exception as exc:  # never leave a worker waiting, never let the runner die
+                    log.exception("engine process: unexpected error running %s", self.label or self.key)
+                    results = [(job, exc) for job in batch]
+                self._done.put(results)
+                self._wake()
+            if stop:
+                return
+
+    def _execute(self, batch: list[_Job]) -> list[tuple[_Job, Outcome]]:
+        """Run the batch; each job's outputs (its rows) or the error it gets."""
         if self._observe is not None:
             self._observe(self.label, sum(job.n for job in batch))
         try:
@@ -294,29 +374,39 @@ class HostedEngine:
                 self.merged_calls += 1
         except Exception as exc:
             if len(batch) == 1:
-                batch[0].client.fail(exc)
-            else:  # one bad request must not fail the others: run each alone
-                for job in batch:
-                    self._run([job])
-            return
+                return [(batch[0], exc)]
+            # one bad request must not fail the others: run each alone
+            return [result for job in batch for result in self._execute([job])]
         if len(batch) == 1:
-            batch[0].client.reply(outputs)
-            return
+            return [(batch[0], outputs)]
+        results: list[tuple[_Job, Outcome]] = []
         offset = 0
         for job in batch:
-            job.client.reply({name: value[offset : offset + job.n] for name, value in outputs.items()})
+            results.append((job, {name: value[offset : offset + job.n] for name, value in outputs.items()}))
             offset += job.n
+        return results
+
+
+
+def _answer(results: list[tuple[_Job, Outcome]]) -> None:
+    for job, outcome in results:
+        if isinstance(outcome, BaseException):
+            job.client.fail(outcome)
+        else:
+            job.client.reply(outcome)
 
 
 class EngineHost:
     """Accepts worker connections and serves their loads and runs (see the module docstring)."""
 
     def __init__(
-        self, address: HostAddress, *, loader: Loader = load_request_in_process, observe: BatchObserver | None = None
+        self, address: HostAddress, *, loader: Loader = load_request_in_process, observe: BatchObserver | None = None,
+        pipeline: bool = True,
     ) -> None:
         self.address = address
         self._loader = loader
         self._observe = observe
+        self._pipeline = pipeline
         # a socket left by an engine process that was killed would refuse the bind (the folder is ours)
         Path(address.socket_path).unlink(missing_ok=True)
         self._listener = multiprocessing.connection.Listener(
@@ -379,7 +469,7 @@ class EngineHost:
                     return hosted
             engine, record = self._loader(request)
             hosted = HostedEngine(key, engine, record, request.batch_limit, label=request.label,
-                                  observe=self._observe, release=self._release)
+                                  observe=self._observe, release=self._release, pipeline=self._pipeline)
             hosted.refs = 1
             hosted.start()
             with self._lock:

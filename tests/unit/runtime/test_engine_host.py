@@ -47,15 +47,15 @@ def model_file(folder: Path) -> Path:
     return path
 
 
-def _host(folder: Path, loader: Any = load_request_in_process) -> EngineHost:
-    host = EngineHost(_address(folder), loader=loader)
+def _host(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = True) -> EngineHost:
+    host = EngineHost(_address(folder), loader=loader, pipeline=pipeline)
     host.start()
     return host
 
 
 @contextlib.contextmanager
-def _hosting(folder: Path, loader: Any = load_request_in_process) -> Iterator[EngineHost]:
-    host = _host(folder, loader)
+def _hosting(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = True) -> Iterator[EngineHost]:
+    host = _host(folder, loader, pipeline=pipeline)
     try:
         yield host
     finally:
@@ -200,13 +200,18 @@ class _GatedEngine:
         self.outputs = [TensorSpec("y", np.dtype(np.float32), (None, 4))]
         self.gate = threading.Event()
         self.calls: list[list[int]] = []
+        self.threads: set[str] = set()  # the threads that prepared or ran it
         self.closed = False
+
+    def prepare_thread(self) -> None:
+        self.threads.add(threading.current_thread().name)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         self.calls.append([len(p["x"]) for p in parts])
+        self.threads.add(threading.current_thread().name)
         if len(self.calls) == 1:
             self.gate.wait(10)
         x = np.concatenate([p["x"] for p in parts])
@@ -267,9 +272,10 @@ def test_a_silent_engine_process_and_a_second_caller_get_clear_errors(
         engine.close()
 
 
-def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path) -> None:
+@pytest.mark.parametrize("pipeline", [True, False], ids=["runner-thread", "one-thread"])
+def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_file: Path, pipeline: bool) -> None:
     fake = _GatedEngine()
-    with _hosting(folder, loader=_fake_loader(fake)) as host:
+    with _hosting(folder, loader=_fake_loader(fake), pipeline=pipeline) as host:
         engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
         results: dict[str, Any] = {}
         xs = {key: np.full((n, 4), i + 1, np.float32) for i, (key, n) in enumerate((("a", 1), ("b", 2), ("c", 3)))}
@@ -288,14 +294,17 @@ def test_jobs_of_several_workers_are_merged_and_split_back(folder: Path, model_f
             np.testing.assert_array_equal(results[key], x * 2)
         (hosted,) = host.engines()
         assert hosted.merged_calls == 1
+        # with the pipeline one runner thread prepares and runs the engine; without it the serving thread
+        assert fake.threads == {"engine-host-gpu" if pipeline else "engine-host-run"}
         for engine in engines:
             engine.close()
         assert fake.closed
 
 
-def test_a_bad_job_in_a_merged_batch_fails_alone(folder: Path, model_file: Path) -> None:
+@pytest.mark.parametrize("pipeline", [True, False], ids=["runner-thread", "one-thread"])
+def test_a_bad_job_in_a_merged_batch_fails_alone(folder: Path, model_file: Path, pipeline: bool) -> None:
     fake = _GatedEngine()
-    with _hosting(folder, loader=_fake_loader(fake)) as host:
+    with _hosting(folder, loader=_fake_loader(fake), pipeline=pipeline) as host:
         engines = [_load(folder, {"plain": model_file})[0] for _ in range(3)]
         results: dict[str, Any] = {}
         first = _run_in_thread(engines[0], np.ones((1, 4), np.float32), results, "first")

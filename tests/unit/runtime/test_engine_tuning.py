@@ -75,14 +75,17 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
     auto = EngineSettings(prefer_nhwc="auto", fuse_conv_bias="auto")
     keys = [c.key for c in autotune._configs(candidates, auto, "auto")]
     assert keys == [  # conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv)
-        "plain/nhwc/fp32", "plain/nhwc/fp32/conv-bias-fused", "plain/nchw/fp32", "plain/nchw/fp32/conv-bias-fused",
+        "plain/nhwc/fp32",
+        # second, so that a short budget still times one: the likeliest large-batch engine (no CUDA graph)
+        "plain/nhwc/fp16/conv-bias-fused/no-graph",
+        "plain/nhwc/fp32/conv-bias-fused", "plain/nchw/fp32", "plain/nchw/fp32/conv-bias-fused",
         "fused/nhwc/fp32", "fused/nchw/fp32",
         "plain/nhwc/fp16", "plain/nhwc/fp16/conv-bias-fused", "plain/nchw/fp16", "plain/nchw/fp16/conv-bias-fused",
-        # last, for the large buckets: no CUDA graph, first layout only, no FusedConv
-        "plain/nhwc/fp32/no-graph", "plain/nhwc/fp32/conv-bias-fused/no-graph",
-        "plain/nhwc/fp16/no-graph", "plain/nhwc/fp16/conv-bias-fused/no-graph",
+        # last, the other large-batch ones: first layout only, no FusedConv, fp16 and conv-bias fusion first
+        "plain/nhwc/fp16/no-graph", "plain/nhwc/fp32/conv-bias-fused/no-graph", "plain/nhwc/fp32/no-graph",
     ]
-    assert all(not c.cuda_graph for c in autotune._configs(candidates, auto, "fp32")[-2:])
+    fp32_keys = [c.key for c in autotune._configs(candidates, auto, "fp32")]
+    assert fp32_keys[1] == "plain/nhwc/fp32/conv-bias-fused/no-graph" and fp32_keys[-1] == "plain/nhwc/fp32/no-graph"
     no_split = auto.model_copy(update={"split_large_buckets": False})
     assert not any("no-graph" in c.key for c in autotune._configs(candidates, no_split, "auto"))
     small = auto.model_copy(update={"buckets": (1, 4)})  # nothing for a large-batch engine to serve
@@ -287,3 +290,23 @@ def test_cpu_sessions_spin_unless_told_not_to() -> None:
     quiet = _cpu_session_options(EngineSettings(cpu_spinning=False, intra_op_threads=2))
     assert quiet.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert quiet.intra_op_num_threads == 2
+
+
+def test_large_batch_configurations_are_always_timed_at_the_largest_bucket(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short budget drops the large-bucket timing of graph configurations, never of graphless ones: the
+    largest bucket is all they are for (without it no split can be chosen)."""
+    asked: dict[str, bool] = {}
+
+    def fake_child(fn, args, *, timeout_s):
+        asked[Config(**args[2]).key] = args[3]
+        return {"timing": {"1": 1.0, "64": 2.0} if args[3] else {"1": 1.0}}
+
+    monkeypatch.setattr(autotune, "run_in_child", fake_child)
+    settings = EngineSettings(buckets=(1, 8, 64))
+    configs = autotune._configs(candidates, settings, "auto")
+    autotune._time_configs(candidates, settings, configs, budget_s=2.0)  # under 2.5 s: graphs get batch 1 only
+    graphless = {c.key for c in configs if not c.cuda_graph}
+    assert graphless and all(asked[k] for k in graphless)
+    assert not any(asked[c.key] for c in configs if c.cuda_graph)
