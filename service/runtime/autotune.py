@@ -357,19 +357,23 @@ def _tune(
 def _large_batch_candidate(
     results: _Results, configs: list[Config], primary: Config, settings: EngineSettings
 ) -> Config | None:
-    """The graphless configuration fastest at the largest bucket, when it beats the primary there.
+    """The graphless configuration fastest at the largest bucket, when it beats the primary there (or the
+    primary was not timed there: then _split's own timings decide).
 
     Graphless only: the serving process may have to close it again (no bucket won), and creating and
-    closing CUDA-graph sessions in one process preceded replay crashes on ORT 1.31.1 (see _tune)."""
+    closing CUDA-graph sessions in one process preceded replay crashes on ORT 1.31.1 (see _tune).
+    Why a primary without that timing still gets a candidate: on the H200 a short budget left ResNet-50's
+    winner (fp32, conv-bias fused) timed at batch 1 only, and fp16 without graphs (4.09 ms at batch 64
+    against torch.compile's 5.07) was never served (bench/results/engine-2026-12-01-h200-auto-resnet50.log)."""
     if not _splits(settings):
         return None
     big = str(max(settings.buckets))
     base = results.timings.get(primary.key, {}).get(big)
     timed = [c for c in configs if not c.cuda_graph and c != primary and big in results.timings.get(c.key, {})]
-    if base is None or not timed:
+    if not timed:
         return None
     best = min(timed, key=lambda c: results.timings[c.key][big])
-    return best if results.timings[best.key][big] < (1.0 - SPLIT_MIN_GAIN) * base else None
+    return best if base is None or results.timings[best.key][big] < (1.0 - SPLIT_MIN_GAIN) * base else None
 
 
 def _split(

@@ -106,8 +106,11 @@ def test_large_batch_candidate_only_when_it_beats_the_primary_at_the_largest_buc
     assert autotune._large_batch_candidate(fast, configs, primary, settings) == other
     close = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1, "64": 3.1}})
     assert autotune._large_batch_candidate(close, configs, primary, settings) is None  # under 5 % faster
-    untimed = results_with({primary.key: {"1": 0.5}, other.key: {"1": 1.1, "64": 1.9}})
-    assert autotune._large_batch_candidate(untimed, configs, primary, settings) is None
+    # the primary not timed at 64 (short budget): the candidate goes to _split, whose own timings decide
+    primary_untimed = results_with({primary.key: {"1": 0.5}, other.key: {"1": 1.1, "64": 1.9}})
+    assert autotune._large_batch_candidate(primary_untimed, configs, primary, settings) == other
+    other_untimed = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1}})
+    assert autotune._large_batch_candidate(other_untimed, configs, primary, settings) is None
     off = settings.model_copy(update={"split_large_buckets": False})
     assert autotune._large_batch_candidate(fast, configs, primary, off) is None
     graph = Config("fused", True, "fp32", False)  # faster at 64 too, but a graph session: never a candidate
