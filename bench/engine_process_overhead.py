@@ -187,9 +187,9 @@ def main() -> None:
     common.print_table(rows, ["pipeline", "clients", "in_flight", "calls_per_s", "samples_per_s", "mean_batch",
                               "gpu_busy_fraction", "host_us_per_call", "samples_vs_no_pipeline"],
                        title="engine process, fixed-wait GPU")
-    out = args.out or ROOT / "bench" / "results" / f"engine-process-overhead-{common.today()}.json"
-    common.write_result(out, {"benchmark": "engine_process_overhead", "gpu_ms": H200_MNV3_MS,
-                              "settings": vars(args) | {"out": str(out)}, "rows": rows})
+    path = common.write_result("engine-process-overhead", {"benchmark": "engine_process_overhead",
+                               "gpu_ms": H200_MNV3_MS, "settings": vars(args), "rows": rows}, path=args.out)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

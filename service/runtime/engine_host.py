@@ -15,12 +15,12 @@ How:
 * Tensors travel through shared buffers (``service.runtime.shared_buffer``): the worker writes its batch
   into its own mapped file and sends only the layout; the answer comes back the same way in a file this
   process made for the connection.
-* Each engine has one thread that serves its connections (reads the batches, answers them) and, with
-  ``pipeline`` (the default), a second one that runs the engine (an Engine is used by one thread at a time),
-  so that reading and answering overlap the GPU's work. The runner merges what waits, from several
-  workers, into one engine call of up to ``batch_limit`` samples (the model's max_batch_size) and the
-  outputs are split back. A merged call that fails is retried request by request, so one bad request
-  fails alone.
+* Each engine has one thread that serves its connections: it reads the batches, runs them (an Engine is
+  used by one thread at a time) and answers them. With ``pipeline`` (``SERVICE_ENGINE_PROCESS_PIPELINE``,
+  off by default) a second thread runs the engine, so that reading and answering overlap the GPU's work.
+  What waits, from several workers, is merged into one engine call of up to ``batch_limit`` samples (the
+  model's max_batch_size) and the outputs are split back. A merged call that fails is retried request by
+  request, so one bad request fails alone.
 * A worker that dies closes its connection: its references go, and an engine nobody uses is closed.
 """
 
@@ -156,15 +156,20 @@ class HostedEngine:
 
     Why the runner: on the H200 host the engine process was the busiest process of the server (0.87 of a
     core) while the GPU ran only 0.4-0.6 of the time (bench/results/service-2026-12-01-cuda-in-flight.json):
-    reading, merging and answering a batch happened between engine calls, with the GPU idle. One thread per
-    engine, not one per connection: with a thread per connection handing jobs to the engine's thread, a lone
-    request through 6 workers took 2.30 ms at p50 on the H200 host against 1.70 with one thread
+    reading, merging and answering a batch happened between engine calls, with the GPU idle. With a fixed
+    wait for the GPU the runner kept it 0.95 busy against 0.83 (bench/results/engine-process-overhead-
+    2026-12-01-h200.json), but in the real service it changed no throughput and made a lone request 0.5 ms
+    slower (bench/results/service-2026-12-01-cuda-pipeline.json), so it is off by default: the service's
+    limit lies before the engine process.
+
+    One thread per engine, not one per connection: with a thread per connection handing jobs to the
+    engine's thread, a lone request through 6 workers took 2.30 ms at p50 on the H200 host against 1.70 with one thread
     (bench/results/service-2026-11-30-cuda-run7-engine-process.json and ...-run8-engine-thread.json)."""
 
     def __init__(
         self, key: str, engine: Any, record: dict[str, Any], batch_limit: int, *, label: str = "",
         observe: BatchObserver | None = None, release: Callable[[HostedEngine], None] | None = None,
-        pipeline: bool = True,
+        pipeline: bool = False,
     ) -> None:
         self.key = key
         self.label = label
@@ -401,7 +406,7 @@ class EngineHost:
 
     def __init__(
         self, address: HostAddress, *, loader: Loader = load_request_in_process, observe: BatchObserver | None = None,
-        pipeline: bool = True,
+        pipeline: bool = False,
     ) -> None:
         self.address = address
         self._loader = loader

@@ -47,14 +47,14 @@ def model_file(folder: Path) -> Path:
     return path
 
 
-def _host(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = True) -> EngineHost:
+def _host(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = False) -> EngineHost:
     host = EngineHost(_address(folder), loader=loader, pipeline=pipeline)
     host.start()
     return host
 
 
 @contextlib.contextmanager
-def _hosting(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = True) -> Iterator[EngineHost]:
+def _hosting(folder: Path, loader: Any = load_request_in_process, *, pipeline: bool = False) -> Iterator[EngineHost]:
     host = _host(folder, loader, pipeline=pipeline)
     try:
         yield host
