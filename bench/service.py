@@ -341,7 +341,8 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
     request = ("\r\n".join(head) + "\r\n\r\n").encode() + payload.body
     tally = _Tally(window_start, window_end)
 
-    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, str]:
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, str, bool]:
+        """(ok, why not, whether the server closes the connection after this answer)."""
         writer.write(request)
         status_line = await reader.readline()
         headers: dict[str, str] = {}
@@ -351,7 +352,8 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
         content = await reader.readexactly(int(headers.get("content-length", "0")))
         status = int(status_line.split()[1]) if status_line else 0
         ok = response_ok(payload, status, headers, content)
-        return ok, "" if ok else f"HTTP {status}: {content[:200]!r}"
+        closing = "close" in headers.get("connection", "").lower()
+        return ok, "" if ok else f"HTTP {status}: {content[:200]!r}", closing
 
     async def worker() -> None:
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -359,9 +361,10 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
             while time.monotonic() < window_end:
                 start = time.perf_counter()
                 try:
-                    ok, reason = await one(reader, writer)
+                    ok, reason, closing = await one(reader, writer)
                 except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
-                    ok, reason = False, f"{type(exc).__name__}: {exc}"
+                    ok, reason, closing = False, f"{type(exc).__name__}: {exc}", True
+                if closing:  # the server asked (connection balancing among its workers) or the request failed
                     writer.close()
                     reader, writer = await asyncio.open_connection(host, int(port))
                 tally.record(ok, reason, (time.perf_counter() - start) * 1e3)

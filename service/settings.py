@@ -150,6 +150,12 @@ class ServiceSettings(BaseSettings):
         description="With the engine process: batches each worker keeps in flight per model (one connection "
         "each), so the next batch forms and travels while one runs.",
     )
+    balance_connections: bool = Field(
+        True,
+        description="With workers > 1: a worker holding more than its share of kept-alive connections closes "
+        "one after its response, so that the client reconnects and the kernel places it afresh (it hashes each "
+        "connection to a worker at random).",
+    )
     engine_process_pipeline: bool = Field(
         False,
         description="With the engine process: a second thread per engine runs it, so that reading the next "

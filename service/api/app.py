@@ -16,6 +16,7 @@ from service.metrics import Metrics
 from service.settings import ServiceSettings
 
 from . import health, kserve, metrics_route, models, predict
+from .connection_balance import BalanceMiddleware
 from .error_handlers import install_error_handlers
 from .fast_path import InferFastPath
 from .inference import InFlight
@@ -41,7 +42,9 @@ class ServiceApp(FastAPI):
     """
 
     def build_middleware_stack(self) -> Any:
-        return InferFastPath(super().build_middleware_stack())
+        stack = InferFastPath(super().build_middleware_stack())
+        balancer = getattr(self.state, "balancer", None)
+        return stack if balancer is None else BalanceMiddleware(stack, balancer)
 
 
 def create_app(
@@ -79,6 +82,7 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry, role)
+    app.state.balancer = role.balancer
     app.state.inflight = InFlight()
     install_error_handlers(app)
     for module in (health, predict, kserve, models, metrics_route):

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from service.registry import ModelRegistry
     from service.runtime.engine_host import HostAddress
 
+    from .connection_balance import ConnectionBalancer
+
 log = logging.getLogger("service.api")
 
 
@@ -35,6 +37,7 @@ class WorkerRole:
     accept only once loaded, so a shared port never routes to a worker that cannot serve.
     ``on_started``: called once the registry's startup has finished (successfully or not).
     ``engine_host``: where the engine process listens, when the workers share one (else engines are local).
+    ``balancer``: evens out kept-alive connections over the workers (``service.api.connection_balance``).
     """
 
     prepare_store: bool = True
@@ -42,6 +45,7 @@ class WorkerRole:
     serve_before_ready: bool = True
     on_started: Callable[[], None] | None = None
     engine_host: HostAddress | None = None
+    balancer: ConnectionBalancer | None = None
 
 
 class Lifecycle:

@@ -119,8 +119,14 @@ def run_server(
 ) -> int:
     """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port)."""
     server = _Server(uvicorn_config(settings, app), app.state.lifecycle, announce=announce)
+    balancer = getattr(app.state, "balancer", None)
+    if balancer is not None:
+        balancer.bind(lambda: len(server.server_state.connections))
     try:
         server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        if balancer is not None:
+            balancer.forget()
     return 0 if server.started else 1

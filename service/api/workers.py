@@ -142,6 +142,8 @@ class Supervisor:
         self.engine_process: Any = None
         self.stopping = False
         self.restarts: collections.deque[float] = collections.deque()
+        # each worker's open connections, for service.api.connection_balance (one slot per worker)
+        self.connection_counts = self.ctx.RawArray("i", settings.workers) if settings.balance_connections else None
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -185,7 +187,8 @@ class Supervisor:
 
     def _start(self, index: int, *, first_start: bool) -> _Worker:
         started = self.ctx.Event()
-        args = (self.settings, self.host, self.port, index, first_start and index == 0, started, self.engine_host)
+        args = (self.settings, self.host, self.port, index, first_start and index == 0, started, self.engine_host,
+                self.connection_counts)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
@@ -212,6 +215,8 @@ class Supervisor:
                 if self.stopping or worker.process.is_alive():
                     continue
                 _forget_metrics_of(worker.process.pid)
+                if self.connection_counts is not None:
+                    self.connection_counts[worker.index] = 0  # its connections died with it
                 log.error("worker %d (pid %d) exited with %s", worker.index, worker.process.pid,
                           worker.process.exitcode)
                 if not self._may_restart():
@@ -313,9 +318,11 @@ def _worker_main(
     prepare_store: bool,
     started: Any,
     engine_host: HostAddress | None,
+    connection_counts: Any = None,
 ) -> None:
     """One worker process: the app on the shared socket (see the module docstring for the roles)."""
     from .app import create_app
+    from .connection_balance import ConnectionBalancer
     from .lifecycle import WorkerRole
 
     configure_process(settings)
@@ -325,6 +332,7 @@ def _worker_main(
         serve_before_ready=prepare_store,  # only the very first worker answers while it loads
         on_started=started.set,
         engine_host=engine_host,
+        balancer=None if connection_counts is None else ConnectionBalancer(connection_counts, index),
     )
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see WorkerRole)
