@@ -46,6 +46,13 @@ def test_a_worker_within_its_share_plus_slack_keeps_its_connections() -> None:
     assert not _balancer([0, 0], 2).should_close()  # share 1, slack 1: two connections stay
 
 
+def test_by_default_a_worker_keeps_no_more_than_its_share() -> None:
+    for mine, closes in ((6, False), (7, True)):  # 32 over 6 workers: share 6
+        balancer = ConnectionBalancer([0, 5, 5, 5, 5, 6], 0, clock=_Clock())
+        balancer.bind(lambda mine=mine: mine)
+        assert balancer.should_close() is closes
+
+
 def test_unbound_or_forgotten_workers_do_not_count() -> None:
     counts = [7, 0]
     unbound = ConnectionBalancer(counts, 1)
