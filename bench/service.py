@@ -71,6 +71,7 @@ SERIES_OF = {
     "service_workers_in_flight1": ("binary", "binary_b*"),
     "service_workers_in_flight4": ("binary", "binary_b*"),
     "service_workers_pipeline": ("binary", "binary_b*"),
+    "service_workers_no_balance": ("binary", "binary_b*"),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
@@ -91,7 +92,8 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
 """Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process;
 ``service_workers_own`` the same workers with their own engines, ``service_workers_in_flight1`` and
 ``_in_flight4`` with one and four batches in flight per worker, ``service_workers_pipeline`` with a runner
-thread per engine in the engine process): the settings each one changes."""
+thread per engine in the engine process, ``service_workers_no_balance`` without connection balancing): the
+settings each one changes."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -775,6 +777,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one engine process), service_workers_own (the same, each worker with its own engines), "
         "service_workers_in_flight1 / _in_flight4 (the engine process with one / four batches in flight per worker), "
         "service_workers_pipeline (SERVICE_ENGINE_PROCESS_PIPELINE=true), "
+        "service_workers_no_balance (SERVICE_BALANCE_CONNECTIONS=false), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
         "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
         "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
@@ -860,7 +863,8 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
                    "service_workers_own": {**workers, "SERVICE_ENGINE_PROCESS": "false"},
                    "service_workers_in_flight1": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "1"},
                    "service_workers_in_flight4": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "4"},
-                   "service_workers_pipeline": {**workers, "SERVICE_ENGINE_PROCESS_PIPELINE": "true"}}
+                   "service_workers_pipeline": {**workers, "SERVICE_ENGINE_PROCESS_PIPELINE": "true"},
+                   "service_workers_no_balance": {**workers, "SERVICE_BALANCE_CONNECTIONS": "false"}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
     for name in args.servers:
