@@ -94,6 +94,10 @@ class Metrics:
         self.loaded_models = Gauge(
             "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
         )
+        self.rebalanced = Counter(
+            "service_connections_rebalanced", "Kept-alive connections a worker closed because it held more "
+            "than its share (several workers; the client reconnects).", registry=r,
+        )
         self._children = _Children()
         self._labelled = self._children.get
 

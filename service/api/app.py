@@ -83,6 +83,8 @@ def create_app(
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry, role)
     app.state.balancer = role.balancer
+    if role.balancer is not None:
+        role.balancer.on_close = metrics.rebalanced.inc
     app.state.inflight = InFlight()
     install_error_handlers(app)
     for module in (health, predict, kserve, models, metrics_route):

@@ -49,6 +49,7 @@ class ConnectionBalancer:
         self._open: Callable[[], int] | None = None
         self._last_check = -math.inf
         self.closed = 0
+        self.on_close: Callable[[], None] | None = None  # e.g. a metric
 
     def bind(self, open_connections: Callable[[], int]) -> None:
         self._open = open_connections
@@ -67,6 +68,8 @@ class ConnectionBalancer:
         if mine <= math.ceil(sum(self.counts[:]) / len(self.counts)) + self.slack:
             return False
         self.closed += 1
+        if self.on_close is not None:
+            self.on_close()
         return True
 
     def forget(self) -> None:

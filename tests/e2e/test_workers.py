@@ -107,7 +107,7 @@ def wait_status(conn: http.client.HTTPConnection, path: str, status: int, timeou
 def metric_total(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -198,6 +198,9 @@ def test_kept_alive_connections_are_spread_evenly_over_the_workers(tmp_path: Pat
             if connections_per_worker(pids, server.port) == [6, 6]:
                 break
         assert connections_per_worker(pids, server.port) == [6, 6], f"after {closes} balancing closes"
+        text = call(conns[0], "GET", "/metrics")[1].decode()  # either worker reports both workers' closes
+        counted = metric_total(text, "service_connections_rebalanced_total")
+        assert counted >= closes, (counted, closes)  # (+ closes while the test found both workers)
         for conn in conns:
             conn.close()
 
