@@ -18,6 +18,9 @@ Variants, alternating in rounds:
 - ``floor`` and ``floor_64k``: a bare ASGI app on the same uvicorn that reads the body and answers with as
   many floats as the model would, with a 16 MiB and a 64 KiB body buffer.
 - ``floor_raw``: bench/raw_http_server.py, no framework (single-sample requests only: its answer is fixed).
+- ``service_workers``: our server with 2 workers and the engine process (``SERVICE_WORKERS=2``); its CPU is
+  read per process: the workers' CPU per request (``main_thread_...`` holds the workers' event-loop threads)
+  and the engine process's (in ``other_threads_...`` with the workers' other threads).
 
 Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (/proc).
 """
@@ -25,10 +28,12 @@ Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from bench import common  # noqa: E402
+from bench import common, cpu_usage  # noqa: E402
 from bench.http_overhead import HEAP_KEPT_ENV, TOKEN, UPLOAD_HEADERS, light_model  # noqa: E402
 from bench.service import Server, binary_payload, run_point, running, service_server  # noqa: E402
 
-VARIANTS = ("service", "service_body_64k", "floor", "floor_64k", "floor_raw")
+VARIANTS = ("service", "service_body_64k", "floor", "floor_64k", "floor_raw", "service_workers")
 def make_server(name: str, work: Path) -> Server:
     if name == "floor_raw":
         command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
@@ -55,6 +60,8 @@ def make_server(name: str, work: Path) -> Server:
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
     if name == "service_body_64k":
         env["SERVICE_HTTP_BODY_BUFFER_KB"] = "64"
+    if name == "service_workers":
+        env.update(SERVICE_WORKERS="2", SERVICE_STORE_SYNC_S="0.5")
     return service_server(name, work / "models", "cpu", work, **env)
 
 
@@ -70,6 +77,22 @@ def thread_cpu_ticks(pid: int) -> dict[str, int]:
     return ticks
 
 
+def tree_cpu_ticks(pid: int) -> dict[str, int]:
+    """Per thread of ``pid`` and of its child processes (workers, the engine process), keyed "PID/TID";
+    a main thread's key is "PID/PID"."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    return {f"{p}/{tid}": n for p in pids for tid, n in thread_cpu_ticks(p).items()}
+
+
+def _is_worker_main(key: str, engine_pids: set[str]) -> bool:
+    """A process's main thread, not the engine process's (it serves no HTTP)."""
+    pid, tid = key.split("/")
+    return pid == tid and pid not in engine_pids
+
+
 def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """Load at ``args.concurrency`` for ``args.seconds``; the server's CPU per request, main thread apart."""
     sample = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224)).astype(np.float32)
@@ -78,13 +101,17 @@ def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, A
     assert server.process is not None
     pid = server.process.pid
     hz = os.sysconf("SC_CLK_TCK")
-    before = thread_cpu_ticks(pid)
+    before = tree_cpu_ticks(pid)
     point = run_point(server.url, payload, args.concurrency, 0.3, args.seconds, client="raw")
-    after = thread_cpu_ticks(pid)
+    after = tree_cpu_ticks(pid)
     if point.errors or not point.requests:
         raise RuntimeError(f"{server.name} b{batch}: {point.errors} errors, first: {point.first_error}")
-    spent = {tid: (after[tid] - before.get(tid, 0)) / hz for tid in after}
-    main = spent.get(str(pid), 0.0)
+    spent = {key: (after[key] - before.get(key, 0)) / hz for key in after}
+    snap = cpu_usage.snapshot(pid)
+    engines = {str(snap.engine_pid)} if snap is not None and snap.engine_pid is not None else set()
+    # the HTTP event loops: the server's main thread, or with workers every worker's (not the supervisor's,
+    # which only watches, nor the engine process's)
+    main = sum(v for key, v in spent.items() if _is_worker_main(key, engines | ({str(pid)} if engines else set())))
     per_request_ms = 1e3 / point.requests
     return {
         "requests_per_s": point.requests / point.seconds,
@@ -93,6 +120,17 @@ def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, A
         "main_thread_cpu_ms_per_request": main * per_request_ms,
         "other_threads_cpu_ms_per_request": (sum(spent.values()) - main) * per_request_ms,
     }
+
+
+def wait_served_by_every_worker(url: str, timeout_s: float = 60.0) -> None:
+    """The other worker loads an upload after its store sync: until then its connections get 404."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:  # fresh connections
+            if all(client.get(f"{url}/v2/models/light/ready").status_code == 200 for _ in range(12)):
+                return
+        time.sleep(0.5)
+    raise RuntimeError("the uploaded model did not reach every worker")
 
 
 def upload_light_model(url: str) -> None:
@@ -110,6 +148,8 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             with running(make_server(name, work), 120) as server:
                 if name.startswith("service"):
                     upload_light_model(server.url)  # 409 after the first round: the store keeps it
+                    if name == "service_workers":
+                        wait_served_by_every_worker(server.url)
                 for batch in args.batches:
                     if name == "floor_raw" and batch > 1:
                         continue
