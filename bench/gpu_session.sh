@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
 # setup calls), one or more parts per call:
-#   bench/gpu_session.sh PART [PART...]   PART: probe|engine|service|tests|bisect|floor|sharing|census|all
+#   bench/gpu_session.sh PART [PART...]   PART: probe|tuner|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
-# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS.
+# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS,
+# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py).
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
 # `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
 # whatever stale checkout surrounds the snapshot in every result header.
@@ -18,6 +19,10 @@ nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
 if want probe; then
   timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
     --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
+fi
+if want tuner; then  # what precision "auto" serves for one model, and its times (about 2 minutes)
+  timeout "${TUNER_TIMEOUT_S:-200}" python3 bench/tuner_check.py --model "${TUNER_MODEL:-resnet50}" \
+    --precision "${TUNER_PRECISION:-auto}" --out "$OUT/tuner-check.json" 2>&1 | tee "$OUT/tuner.log" | tail -20
 fi
 if want engine; then
   timeout "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
