@@ -273,6 +273,8 @@ class Supervisor:
                 worker.process.kill()
                 worker.process.join(5)
             _forget_metrics_of(worker.process.pid)
+            if self.connection_counts is not None:
+                self.connection_counts[worker.index] = 0  # a stopped worker holds no connections
 
 
 def _forget_metrics_of(pid: int | None) -> None:
