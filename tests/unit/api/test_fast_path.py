@@ -96,3 +96,46 @@ def test_the_app_puts_the_fast_path_in_front_of_its_whole_middleware_stack(tmp_p
     stack = app.build_middleware_stack()
     assert isinstance(stack, fast_path.InferFastPath)
     assert isinstance(stack.app, ServerErrorMiddleware)
+
+
+@pytest.mark.anyio
+async def test_http_requests_skip_fastapis_own_layer(monkeypatch, tmp_path) -> None:
+    """ServiceApp sends HTTP straight to its middleware stack (FastAPI's layer only checks its unconfigured
+    OpenTelemetry support); the routed and the fast-path requests still get their answers."""
+    from fastapi import FastAPI
+
+    from service.api.app import create_app
+    from service.settings import ServiceSettings
+
+    through_fastapi: list[str] = []
+    original = FastAPI.__call__
+
+    async def spy(self, scope, receive, send):
+        through_fastapi.append(scope["type"])
+        await original(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", spy)
+    app = create_app(ServiceSettings(demo_model=False, model_dir=tmp_path))
+    async with client(app) as http:
+        assert (await http.get("/v2/health/live")).status_code == 200
+        missing = await http.post("/v2/models/absent/infer", json={"inputs": []})
+        assert missing.status_code == 404 and "absent" in missing.json()["error"]
+    assert through_fastapi == []
+    await app(  # anything else (here a lifespan scope) still takes FastAPI's own path
+        {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+        _lifespan_messages(), _discard,
+    )
+    assert through_fastapi == ["lifespan"]
+
+
+def _lifespan_messages():
+    messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+    async def receive():
+        return next(messages)
+
+    return receive
+
+
+async def _discard(message) -> None:
+    pass
