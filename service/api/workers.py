@@ -289,6 +289,22 @@ def _forget_metrics_of(pid: int | None) -> None:
         log.warning("could not clear the metrics of pid %d: %s", pid, exc)
 
 
+def _stop_when_orphaned(on_orphaned: Any) -> None:
+    """Call ``on_orphaned`` (on a daemon thread) once the supervisor is gone. Why: a supervisor killed with
+    -9 (the OOM killer, a careless script) cannot stop its children, and orphaned workers would go on
+    serving on its port and holding the GPU, with nobody to restart or stop them."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("the supervisor (pid %s) is gone: this process stops too", parent.pid)
+        on_orphaned()
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+
+
 def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready: Any) -> None:
     """The engine process (``service.runtime.engine_host``): serves the workers until SIGTERM.
 
@@ -305,6 +321,14 @@ def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready:
     host = EngineHost(address, observe=EngineProcessMetrics().observe_call, pipeline=settings.engine_process_pipeline)
     host.start()
     log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
+
+    def when_orphaned() -> None:  # the workers stop too, draining through this process: wait for them
+        deadline = time.monotonic() + settings.shutdown_grace_s + _KILL_AFTER_GRACE_S
+        while host.engines() and time.monotonic() < deadline:
+            stop.wait(0.2)
+        stop.set()
+
+    _stop_when_orphaned(when_orphaned)
     ready.set()
     while not stop.wait(1.0):
         pass
@@ -337,5 +361,6 @@ def _worker_main(
         balancer=None if connection_counts is None else ConnectionBalancer(connection_counts, index),
     )
     log.info("worker %d (pid %d) loading models", index, os.getpid())
+    _stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see WorkerRole)
     sys.exit(run_server(settings, create_app(settings, role=role), sockets=[sock], announce=False))

@@ -205,6 +205,30 @@ def test_kept_alive_connections_are_spread_evenly_over_the_workers(tmp_path: Pat
             conn.close()
 
 
+def test_a_supervisor_killed_with_9_takes_its_workers_and_engine_process_along(tmp_path: Path) -> None:
+    """Orphans would go on serving on the port and holding the GPU with nobody to restart or stop them."""
+    model = tiny_cnn(seed=6)
+    with running(tmp_path / "models", tmp_path / "logs", env={"SERVICE_WORKERS": "2"}) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        upload = {**AUTH, "content-type": "application/octet-stream"}
+        status, body = call(conn, "POST", "/v1/models/tiny", model, upload)
+        assert status == 201, body  # an engine in the engine process: the workers hold connections to it
+        children = child_pids(server.pid)
+        assert engine_pid(server.pid) is not None and len(children) == 3
+        server.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+            time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)], "orphaned processes kept running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_dead_engine_process_brings_everything_back(tmp_path: Path) -> None:
     """Every worker's engines live in the engine process: when it dies, all restart and serve again."""
     model = tiny_cnn(seed=6)
