@@ -13,8 +13,11 @@ worker holds more than its share (the mean over all workers, rounded up, plus ``
 its next response carries ``Connection: close`` (at most one per ``min_interval_s``). The client
 reconnects and the kernel hashes the new connection afresh, so connections drift from crowded workers to
 the others. Every HTTP/1.1 client reconnects after ``Connection: close``; nothing is lost, the request was
-answered. Measured with bench/connection_balance.py (32 connections, 6 workers, CPU machine): the busiest
-worker held 7-10 connections without it (median 8) and 6 with it, after 5-28 reconnects in 4 s
+answered. (A client that pipelines requests, sending the next before the answer, must resend what followed
+the closing answer, as HTTP/1.1 asks of it; httpx, requests, aiohttp and tritonclient do not pipeline.)
+
+Measured with bench/connection_balance.py (32 connections, 6 workers, CPU machine): the busiest worker
+held 7-10 connections without it (median 8) and 6 with it, after 5-28 reconnects in 4 s
 (bench/results/connection-balance-2026-12-01-cpu.json).
 """
 
