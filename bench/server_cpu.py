@@ -28,7 +28,6 @@ Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
@@ -77,20 +77,21 @@ def thread_cpu_ticks(pid: int) -> dict[str, int]:
     return ticks
 
 
-def tree_cpu_ticks(pid: int) -> dict[str, int]:
-    """Per thread of ``pid`` and of its child processes (workers, the engine process), keyed "PID/TID";
-    a main thread's key is "PID/PID"."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            pids += [int(c) for c in (task / "children").read_text().split()]
-    return {f"{p}/{tid}": n for p in pids for tid, n in thread_cpu_ticks(p).items()}
+def tree_cpu_ticks(pids: list[int]) -> dict[tuple[int, str], int]:
+    """``thread_cpu_ticks`` of each process, keyed (pid, thread id)."""
+    return {(pid, tid): n for pid in pids for tid, n in thread_cpu_ticks(pid).items()}
 
 
-def _is_worker_main(key: str, engine_pids: set[str]) -> bool:
-    """A process's main thread, not the engine process's (it serves no HTTP)."""
-    pid, tid = key.split("/")
-    return pid == tid and pid not in engine_pids
+def event_loop_pids(server: Server) -> tuple[list[int], set[int]]:
+    """The server's processes, and those whose main thread runs an HTTP event loop: the server itself, or
+    with workers every child but the engine process (the supervisor only watches)."""
+    root = psutil.Process(server.pid)
+    children = [c.pid for c in root.children()]
+    if not children:
+        return [server.pid], {server.pid}
+    snap = cpu_usage.snapshot(server.pid)
+    engine = snap.engine_pid if snap is not None else None
+    return [server.pid, *children], {pid for pid in children if pid != engine}
 
 
 def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -98,20 +99,15 @@ def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, A
     sample = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)
     run_point(server.url, payload, args.concurrency, 0.5, 1.5, client="raw")  # warm: buffers, batch sizes
-    assert server.process is not None
-    pid = server.process.pid
     hz = os.sysconf("SC_CLK_TCK")
-    before = tree_cpu_ticks(pid)
+    pids, loops = event_loop_pids(server)
+    before = tree_cpu_ticks(pids)
     point = run_point(server.url, payload, args.concurrency, 0.3, args.seconds, client="raw")
-    after = tree_cpu_ticks(pid)
+    after = tree_cpu_ticks(pids)
     if point.errors or not point.requests:
         raise RuntimeError(f"{server.name} b{batch}: {point.errors} errors, first: {point.first_error}")
     spent = {key: (after[key] - before.get(key, 0)) / hz for key in after}
-    snap = cpu_usage.snapshot(pid)
-    engines = {str(snap.engine_pid)} if snap is not None and snap.engine_pid is not None else set()
-    # the HTTP event loops: the server's main thread, or with workers every worker's (not the supervisor's,
-    # which only watches, nor the engine process's)
-    main = sum(v for key, v in spent.items() if _is_worker_main(key, engines | ({str(pid)} if engines else set())))
+    main = sum(v for (pid, tid), v in spent.items() if pid in loops and tid == str(pid))
     per_request_ms = 1e3 / point.requests
     return {
         "requests_per_s": point.requests / point.seconds,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.applications import Starlette
 
 from service.metrics import Metrics
 from service.settings import ServiceSettings
@@ -47,17 +48,14 @@ class ServiceApp(FastAPI):
         reports through Prometheus and does not configure it): about 3% of a worker's event loop under
         load (py-spy on the CPU machine), 17-20 us per request (bench/results/asgi-layer-2026-12-01-cpu.json).
         Everything else (the lifespan) takes FastAPI's path."""
-        if scope["type"] != "http":
+        if scope["type"] == "http":
+            await Starlette.__call__(self, scope, receive, send)
+        else:
             await super().__call__(scope, receive, send)
-            return
-        scope["app"] = self
-        if self.middleware_stack is None:
-            self.middleware_stack = self.build_middleware_stack()
-        await self.middleware_stack(scope, receive, send)
 
     def build_middleware_stack(self) -> Any:
         stack = InferFastPath(super().build_middleware_stack())
-        balancer = getattr(self.state, "balancer", None)
+        balancer = self.state.lifecycle.role.balancer
         return stack if balancer is None else BalanceMiddleware(stack, balancer)
 
 
@@ -96,7 +94,6 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(registry, role)
-    app.state.balancer = role.balancer
     if role.balancer is not None:
         role.balancer.on_close = metrics.rebalanced.inc
     app.state.inflight = InFlight()

@@ -119,7 +119,7 @@ def run_server(
 ) -> int:
     """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port)."""
     server = _Server(uvicorn_config(settings, app), app.state.lifecycle, announce=announce)
-    balancer = getattr(app.state, "balancer", None)
+    balancer = app.state.lifecycle.role.balancer
     if balancer is not None:
         balancer.bind(lambda: len(server.server_state.connections))
     try:

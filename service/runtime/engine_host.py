@@ -254,7 +254,6 @@ class HostedEngine:
                     log.exception("engine process: unexpected error serving %s", self.label or self.key)
         finally:
             self._stop_runner()
-            self._answer_done()
             for client in clients.values():
                 client.close()
             self._close_engine()
@@ -262,12 +261,14 @@ class HostedEngine:
             os.close(self._wake_write)
 
     def _stop_runner(self) -> None:
-        """Let the runner finish the batches handed to it, then end it (a no-op without one)."""
+        """Let the runner finish the batches handed to it, end it and send their answers (a no-op without
+        one)."""
         if self._runner is None or self._runner_stopped:
             return
         self._runner_stopped = True
         self._work.put(None)
         self._runner.join()
+        self._answer_done()
 
     def _close_engine(self) -> None:
         if not self._engine_closed:
@@ -320,7 +321,6 @@ class HostedEngine:
             self._release(self)
         if self._stopped:  # that was the last user: the engine is closed before the worker hears back
             self._stop_runner()
-            self._answer_done()
             self._close_engine()
         if answer:
             client._send(("ok",))
@@ -390,7 +390,6 @@ class HostedEngine:
             results.append((job, {name: value[offset : offset + job.n] for name, value in outputs.items()}))
             offset += job.n
         return results
-
 
 
 def _answer(results: list[tuple[_Job, Outcome]]) -> None:
