@@ -45,8 +45,8 @@ class ServiceApp(FastAPI):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """HTTP goes straight to the middleware stack, as Starlette does, past FastAPI's own layer: that
         layer checks on every request whether FastAPI's OpenTelemetry support is configured (this service
-        reports through Prometheus and does not configure it): about 3% of a worker's event loop under
-        load (py-spy on the CPU machine), 17-20 us per request (bench/results/asgi-layer-2026-12-01-cpu.json).
+        reports through Prometheus and does not configure it): 17-20 us per request
+        (bench/results/asgi-layer-2026-12-01-cpu.json).
         Everything else (the lifespan) takes FastAPI's path."""
         if scope["type"] == "http":
             await Starlette.__call__(self, scope, receive, send)

@@ -1,8 +1,8 @@
 """Even out kept-alive connections over the worker processes.
 
 Why: each worker listens on its own ``SO_REUSEPORT`` socket, so the kernel hashes every new connection to
-one worker, at random, and a kept-alive connection stays there for its whole life. 32 connections over 6
-workers put 9 on the busiest worker and 2 on the idlest (median of 20 trials on the CPU machine). One
+one worker, at random, and a kept-alive connection stays there for its whole life: 32 connections over 6
+workers left 7-10 on the busiest and 2-4 on the idlest (bench/results/connection-balance-2026-12-01-cpu.json). One
 event loop per worker serves its connections in turn, so the busiest worker sets the pace of its clients
 while others idle. On the H200 host 6 workers used 3.4 cores between them at 32 clients, the busiest
 process of the server was at 0.87-1.03 cores, and adding batches in flight or an engine runner did not

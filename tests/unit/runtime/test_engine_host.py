@@ -353,3 +353,31 @@ def test_shared_buffers_grow_and_map_only_their_own_folder(folder: Path) -> None
     growing.close()
     assert not big.path.exists()
     assert os.listdir(folder) == []
+
+
+def test_an_unexpected_error_on_the_runner_thread_fails_its_batch_not_the_runner(
+    folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug past the engine's own error handling: the workers of that batch get an EngineError (a 500)
+    at once instead of waiting, and the runner serves the next batch."""
+    from service.runtime.engine_host import HostedEngine
+
+    fake = _GatedEngine()
+    fake.gate.set()
+    real = HostedEngine._execute
+    calls = {"n": 0}
+
+    def flaky(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug")
+        return real(self, batch)
+
+    monkeypatch.setattr(HostedEngine, "_execute", flaky)
+    with _hosting(folder, loader=_fake_loader(fake), pipeline=True):
+        engine = _load(folder, {"plain": model_file})[0]
+        x = np.ones((1, 4), np.float32)
+        with pytest.raises(EngineError, match="inference failed in the engine process"):
+            engine.run({"x": x})
+        np.testing.assert_array_equal(engine.run({"x": x})["y"], x * 2)
+        engine.close()
