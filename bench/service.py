@@ -72,6 +72,8 @@ SERIES_OF = {
     "service_workers_in_flight4": ("binary", "binary_b*"),
     "service_workers_pipeline": ("binary", "binary_b*"),
     "service_workers_no_balance": ("binary", "binary_b*"),
+    "service_workers_bucket_copy": ("binary", "binary_b*"),
+    "service_bucket_copy": ("binary", "binary_b*"),
     "service_gil5": ("binary",),
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
@@ -88,12 +90,14 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
     "service_no_inline": {"SERVICE_BATCHING__INLINE_MAX_MS": "0"},
     "service_no_spin": {"SERVICE_ENGINE__CPU_SPINNING": "false"},
     "service_body_64k": {"SERVICE_HTTP_BODY_BUFFER_KB": "64"},
+    "service_bucket_copy": {"SERVICE_ENGINE__DIRECT_COPY": "false"},
 }
 """Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process;
 ``service_workers_own`` the same workers with their own engines, ``service_workers_in_flight1`` and
 ``_in_flight4`` with one and four batches in flight per worker, ``service_workers_pipeline`` with a runner
-thread per engine in the engine process, ``service_workers_no_balance`` without connection balancing): the
-settings each one changes."""
+thread per engine in the engine process, ``service_workers_no_balance`` without connection balancing,
+``service_bucket_copy`` / ``service_workers_bucket_copy`` with ORT's whole-bucket host-to-device copies instead
+of the engine's row copies): the settings each one changes."""
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
 
 
@@ -777,7 +781,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one engine process), service_workers_own (the same, each worker with its own engines), "
         "service_workers_in_flight1 / _in_flight4 (the engine process with one / four batches in flight per worker), "
         "service_workers_pipeline (SERVICE_ENGINE_PROCESS_PIPELINE=true), "
-        "service_workers_no_balance (SERVICE_BALANCE_CONNECTIONS=false), "
+        "service_workers_no_balance (SERVICE_BALANCE_CONNECTIONS=false), service_bucket_copy and "
+        "service_workers_bucket_copy (SERVICE_ENGINE__DIRECT_COPY=false: whole padded buckets through ORT), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
         "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
         "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
@@ -864,14 +869,31 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
                    "service_workers_in_flight1": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "1"},
                    "service_workers_in_flight4": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "4"},
                    "service_workers_pipeline": {**workers, "SERVICE_ENGINE_PROCESS_PIPELINE": "true"},
-                   "service_workers_no_balance": {**workers, "SERVICE_BALANCE_CONNECTIONS": "false"}}
+                   "service_workers_no_balance": {**workers, "SERVICE_BALANCE_CONNECTIONS": "false"},
+                   "service_workers_bucket_copy": {**workers, "SERVICE_ENGINE__DIRECT_COPY": "false"}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
-    for name in args.servers:
+    out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"
+    for index, name in enumerate(args.servers):
         server = servers[name]()
         usable = [p for p in payloads if any(fnmatch.fnmatch(p.series, pat) for pat in SERIES_OF.get(name, "*"))]
         rows.extend(bench_server(server, usable, args, eng))
+        if index + 1 < len(args.servers):  # kept so far: a run cut short by its time limit still leaves them
+            _write(rows, eng, args, head, device, load_start, out, partial=True)
+    path, summary = _write(rows, eng, args, head, device, load_start, out, partial=False)
+    _print_tables(rows, eng, summary)
+    print(f"\nwrote {path}")
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"warning: {errors} failed requests (see first_error in the rows)", file=sys.stderr)
+    return 1 if errors else 0
 
+
+def _write(
+    rows: list[dict], eng: EngineTable, args: argparse.Namespace, head: dict, device: str,
+    load_start: Any, out: Path, *, partial: bool,
+) -> tuple[Path, dict[str, Any]]:
+    """The result document as measured so far (``partial`` until every server has run)."""
     summary = summarize(rows, eng, args.concurrency)
     document = {
         "benchmark": "service",
@@ -898,15 +920,9 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         },
         "rows": rows,
         "summary": summary,
+        "partial": partial,
     }
-    out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"
-    path = common.write_result("service", document, head=head, path=out)
-    _print_tables(rows, eng, summary)
-    print(f"\nwrote {path}")
-    errors = sum(r["errors"] for r in rows)
-    if errors:
-        print(f"warning: {errors} failed requests (see first_error in the rows)", file=sys.stderr)
-    return 1 if errors else 0
+    return common.write_result("service", document, head=head, path=out), summary
 
 
 def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -> None:

@@ -71,6 +71,12 @@ class EngineSettings(BaseModel):
         "frontend) instead of a separate bias-add kernel per Conv; auto lets the load-time tuner measure both "
         "(a model loaded without the tuner gets off).",
     )
+    direct_copy: bool = Field(
+        True,
+        description="CUDA: copy each request's rows straight to the device with the CUDA runtime, and "
+        "page-lock the engine process's shared buffers, instead of staging the whole padded bucket on the "
+        "host (ORT's update_inplace).",
+    )
     autotune: bool = Field(True, description="Time candidate variants at load and serve the fastest (CUDA only).")
     split_large_buckets: bool = Field(
         True,

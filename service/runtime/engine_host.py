@@ -43,7 +43,7 @@ import numpy as np
 
 from service.errors import EngineError, ServiceError
 from service.runtime.loading import load_in_process
-from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
+from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, PageLocker, layout_of
 from service.runtime.types import samples_per_call
 from service.settings import EngineSettings
 
@@ -103,9 +103,11 @@ class _Client:
     """One worker's connection to an engine: its socket, the buffer it writes batches into (mapped here),
     and the buffer this process writes the answers into."""
 
-    def __init__(self, conn: multiprocessing.connection.Connection, folder: Path) -> None:
+    def __init__(
+        self, conn: multiprocessing.connection.Connection, folder: Path, locker: PageLocker | None = None
+    ) -> None:
         self.conn = conn
-        self.inputs = AttachedBuffers(folder)
+        self.inputs = AttachedBuffers(folder, locker)
         self.outputs = GrowingBuffer(folder, prefix="out")
 
     def reply(self, outputs: Mapping[str, np.ndarray]) -> None:
@@ -203,6 +205,12 @@ class HostedEngine:
             "variant": getattr(engine, "variant", "?"),
             "record": self.record,
         }
+
+    def page_locker(self) -> PageLocker | None:
+        """The engine, where it copies rows to the GPU itself: then the workers' buffers are page-locked."""
+        if getattr(self.engine, "host_to_device", None) == "rows" and hasattr(self.engine, "page_lock"):
+            return self.engine  # type: ignore[no-any-return]
+        return None
 
     def start(self) -> None:
         if self._runner is not None:
@@ -506,7 +514,7 @@ class EngineHost:
             except Exception as exc:
                 conn.send(("error", *error_fields(exc)))
                 return
-            client = _Client(conn, Path(self.address.buffer_dir))
+            client = _Client(conn, Path(self.address.buffer_dir), hosted.page_locker())
             try:
                 hosted.attach(client)
             except EngineError as exc:  # the engine process is closing

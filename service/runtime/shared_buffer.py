@@ -20,6 +20,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -98,6 +99,15 @@ class SharedBuffer:
             raise ValueError(f"tensor of {nbytes} bytes at {offset} does not fit a buffer of {self.size}")
         return np.ndarray(tuple(shape), dt, buffer=self._map, offset=offset)
 
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process's memory."""
+        view = np.frombuffer(self._map, np.uint8)
+        try:
+            return int(view.ctypes.data)
+        finally:
+            del view  # let go of the export, or close() could not unmap
+
     def views(self, layout: Layout) -> dict[str, np.ndarray]:
         return {name: self.array(dtype, shape, offset) for name, dtype, shape, offset in layout}
 
@@ -156,27 +166,48 @@ class GrowingBuffer:
             self.current = None
 
 
-class AttachedBuffers:
-    """The latest buffer another process made, mapped here by path (mapped again when its path changes)."""
+class PageLocker(Protocol):
+    """Page-locks memory for DMA (an Engine on CUDA: ``Engine.page_lock``)."""
 
-    def __init__(self, folder: Path) -> None:
+    def page_lock(self, address: int, nbytes: int) -> bool: ...
+
+    def page_unlock(self, address: int) -> None: ...
+
+
+class AttachedBuffers:
+    """The latest buffer another process made, mapped here by path (mapped again when its path changes).
+
+    With a ``locker`` every mapping is page-locked while it is mapped here, so the engine's copies from it
+    to the GPU are DMA (see ``service.runtime.cudart``)."""
+
+    def __init__(self, folder: Path, locker: PageLocker | None = None) -> None:
         self.folder = Path(folder).resolve()
         self.current: SharedBuffer | None = None
+        self._locker = locker
+        self.locked = False
+        """Whether the current mapping is page-locked."""
 
     def get(self, path: str) -> SharedBuffer:
         if self.current is None or str(self.current.path) != path:
             resolved = Path(path).resolve()
             if resolved.parent != self.folder:  # only the server's own folder, never an arbitrary file
                 raise ValueError(f"buffer {path!r} is not in {self.folder}")
-            if self.current is not None:
-                self.current.close()
+            self.close()
             self.current = SharedBuffer.attach(resolved)
+            if self._locker is not None:
+                self.locked = self._locker.page_lock(self.current.address, self.current.size)
         return self.current
 
     def close(self) -> None:
-        if self.current is not None:
-            self.current.close()
-            self.current = None
+        if self.current is None:
+            return
+        if self.locked and self._locker is not None:
+            self._locker.page_unlock(self.current.address)  # before the pages are unmapped
+        self.locked = False
+        self.current.close()
+        self.current = None
 
 
-__all__ = ["ALIGN", "AttachedBuffers", "GrowingBuffer", "Layout", "SharedBuffer", "buffer_folder", "layout_of"]
+__all__ = [
+    "ALIGN", "AttachedBuffers", "GrowingBuffer", "Layout", "PageLocker", "SharedBuffer", "buffer_folder", "layout_of",
+]

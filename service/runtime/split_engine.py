@@ -60,6 +60,17 @@ class SplitEngine:
     def time_batch(self, batch: int, **kwargs: Any) -> float:
         return self._engine_for(batch).time_batch(batch, **kwargs)
 
+    def page_lock(self, address: int, nbytes: int) -> bool:
+        """Page-locked memory serves every CUDA context of the process, so one engine's lock covers both."""
+        return self.primary.page_lock(address, nbytes)
+
+    def page_unlock(self, address: int) -> None:
+        self.primary.page_unlock(address)
+
+    @property
+    def host_to_device(self) -> str:
+        return self.primary.host_to_device
+
     def prepare_thread(self) -> None:
         self.primary.prepare_thread()
         self.large.prepare_thread()

@@ -84,6 +84,46 @@ def test_cuda_provider_is_really_active(tiny_engine: Engine) -> None:
     assert "CUDA device 0" in info["device"]
 
 
+def test_rows_go_to_the_device_through_the_cuda_runtime(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+    """The CUDA runtime ORT loaded is bound, and parts of uneven sizes land in their rows: the rows past
+    the batch keep the last call's data and change nothing."""
+    assert tiny_engine.host_to_device == "rows" == tiny_engine.describe()["host_to_device"]
+    tiny_engine.run(feeds_for(tiny_engine, 16, seed=40))
+    parts = [feeds_for(tiny_engine, n, seed=41 + n) for n in (1, 4, 6)]
+    got = tiny_engine.run_parts(parts)
+    joined = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    for name, expected in cpu_outputs(tiny, joined).items():
+        assert got[name].shape == expected.shape and rel_l2(got[name], expected) < REL_L2_FP32
+
+
+def test_bucket_copies_without_direct_copy(tiny: onnx.ModelProto) -> None:
+    """SERVICE_ENGINE__DIRECT_COPY=false keeps ORT's whole-bucket update_inplace path, same answers."""
+    settings = SETTINGS.model_copy(update={"buckets": (1, 8), "direct_copy": False})
+    with Engine.load(tiny, settings, variant="tiny") as engine:
+        assert engine.host_to_device == "bucket"
+        for seed, n in enumerate((1, 5, 8)):
+            assert_matches_cpu(engine, tiny, n, seed)
+
+
+def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny: onnx.ModelProto, tmp_path) -> None:
+    """What the engine process does with a worker's buffer: page-lock the mapping, run from views of it."""
+    from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
+
+    feeds = feeds_for(tiny_engine, 5, seed=50)
+    layout, nbytes = layout_of({k: (v.shape, v.dtype) for k, v in feeds.items()})
+    written = GrowingBuffer(tmp_path, prefix="in")
+    written.fit(nbytes).write_rows(layout, [feeds])
+    attached = AttachedBuffers(tmp_path, tiny_engine)
+    views = attached.get(str(written.current.path)).views(layout)
+    assert attached.locked  # cudaHostRegister accepted the shared mapping
+    got = {k: v.copy() for k, v in tiny_engine.run(views).items()}
+    del views
+    attached.close()
+    written.close()
+    for name, expected in cpu_outputs(tiny, feeds).items():
+        assert rel_l2(got[name], expected) < REL_L2_FP32
+
+
 @pytest.mark.parametrize("name", ["tiny", "mobilenet_v3_large"])
 def test_outputs_equal_cpu_for_every_bucket_and_odd_sizes(name: str, tiny: onnx.ModelProto) -> None:
     model = tiny if name == "tiny" else zoo_model(name)

@@ -1,15 +1,22 @@
 """Small ONNX models built in code for the security and reliability tests: good ones to serve, and the
 hostile ones of the hardening issue (external data, custom domains, memory bombs, deep nesting, ...).
 
+``HostCopies`` stands in for the CUDA runtime (service.runtime.cudart) on the CPU.
+
 Every model sets ``ir_version`` 8 (ONNX Runtime 1.31 refuses onnx 1.23's default IR 14).
 """
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+from service.runtime.cudart import CudaError
 
 OPSET = [helper.make_opsetid("", 17)]
 
@@ -316,3 +323,39 @@ def future_opset() -> bytes:
     model = _add_model([helper.make_node("Relu", ["x"], ["y"])])
     model.opset_import[0].version = 99
     return model.SerializeToString()
+
+
+class HostCopies:
+    """Stands in for service.runtime.cudart on the CPU: "device" memory is the CPU-bound OrtValue's."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int]] = []  # (destination, bytes)
+        self.waits = 0
+        self.devices: list[int] = []
+        self.registered: list[tuple[int, int]] = []
+        self.refuse = False
+
+    def set_device(self, device_id: int) -> None:
+        self.devices.append(device_id)
+
+    def copy_to_device(self, device_address: int, host_address: int, nbytes: int) -> None:
+        ctypes.memmove(device_address, host_address, nbytes)
+        self.copies.append((device_address, nbytes))
+
+    def wait_copies(self) -> None:
+        self.waits += 1
+
+    def register(self, host_address: int, nbytes: int) -> None:
+        if self.refuse:
+            raise CudaError("cudaHostRegister failed: operation not supported (801)")
+        self.registered.append((host_address, nbytes))
+
+    def unregister(self, host_address: int) -> None:
+        self.registered = [r for r in self.registered if r[0] != host_address]
+
+
+def with_row_copies(engine: Any) -> HostCopies:
+    """Make an Engine loaded with ``_io_binding_on_cpu`` copy rows itself, as on CUDA."""
+    fake = HostCopies()
+    engine._cudart = fake  # type: ignore[assignment]
+    return fake

@@ -1,6 +1,7 @@
 """Engine on the CPU provider: buckets, padding, trimming, chunking, input checks, describe, device choice.
 
-The CUDA path's binding/staging/padding code is exercised on the CPU with ``_io_binding_on_cpu``; the
+The CUDA path's binding/staging/padding code is exercised on the CPU with ``_io_binding_on_cpu``, and its
+row copies (``host_to_device == "rows"``) with a stand-in for the CUDA runtime that copies host to host; the
 real CUDA provider is covered by tests/gpu.
 """
 
@@ -11,6 +12,7 @@ import logging
 import numpy as np
 import onnx
 import pytest
+from builders import with_row_copies
 from onnx import TensorProto, helper, numpy_helper
 
 from service.errors import EngineError, InvalidInputError
@@ -62,9 +64,11 @@ def model() -> onnx.ModelProto:
     return tiny_cnn()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["numpy", "bound"])
+@pytest.fixture(scope="module", params=["numpy", "bound", "rows"])
 def engine(request: pytest.FixtureRequest, model: onnx.ModelProto) -> Engine:
-    eng = Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=request.param)
+    eng = Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=request.param != "numpy")
+    if request.param == "rows":
+        with_row_copies(eng)
     yield eng
     eng.close()
 
@@ -308,3 +312,35 @@ def test_run_from_another_thread(engine: Engine, model: onnx.ModelProto) -> None
     worker.start()
     worker.join(10)
     np.testing.assert_allclose(box["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_row_copies_move_only_the_requests_rows(model: onnx.ModelProto) -> None:
+    """Each part's rows go to their place in the bucket: 2 + 3 rows into bucket 8 are 5 rows of bytes in two
+    copies, back to back from the buffer's start, one wait per call, the device set once per thread."""
+    with Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        fake = with_row_copies(eng)
+        assert eng.host_to_device == "rows" == eng.describe()["host_to_device"]
+        parts = [{"x": images(2, seed=30)}, {"x": images(3, seed=31)}]
+        out = eng.run_parts(parts)["y"]
+        np.testing.assert_allclose(out, reference(model, np.concatenate([p["x"] for p in parts])), rtol=1e-5, atol=1e-5)
+        row = 3 * 8 * 8 * 4
+        start = eng._bound[8].inputs["x"].data_ptr()
+        assert fake.copies == [(start, 2 * row), (start + 2 * row, 3 * row)]
+        assert fake.waits == 1
+        eng.run({"x": images(1)})
+        assert fake.waits == 2 and fake.devices == [0]
+
+
+def test_page_lock_goes_through_the_cuda_runtime_and_reports_refusal(
+    model: onnx.ModelProto, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        assert eng.page_lock(4096, 8192) is False  # CPU: no CUDA runtime, nothing to lock
+        fake = with_row_copies(eng)
+        assert eng.page_lock(4096, 8192) is True and fake.registered == [(4096, 8192)]
+        eng.page_unlock(4096)
+        assert fake.registered == []
+        fake.refuse = True
+        with caplog.at_level(logging.WARNING, logger="service.runtime.engine"):
+            assert eng.page_lock(4096, 8192) is False
+        assert "stay pageable" in caplog.text and "operation not supported" in caplog.text

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from builders import reference, tiny_cnn
+from builders import reference, tiny_cnn, with_row_copies
 
 from service.errors import EngineError, InvalidInputError
+from service.runtime.engine import Engine
 from service.runtime.engine_host import EngineHost, HostAddress, LoadRequest, load_request_in_process
 from service.runtime.remote_engine import RemoteEngineLoader
 from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
@@ -381,3 +382,71 @@ def test_an_unexpected_error_on_the_runner_thread_fails_its_batch_not_the_runner
             engine.run({"x": x})
         np.testing.assert_array_equal(engine.run({"x": x})["y"], x * 2)
         engine.close()
+
+
+class RecordingLocker:
+    """A PageLocker that records what is locked, and checks each unlock comes while the pages are mapped."""
+
+    def __init__(self, *, accept: bool = True) -> None:
+        self.accept = accept
+        self.locked: dict[int, int] = {}
+        self.events: list[str] = []
+
+    def page_lock(self, address: int, nbytes: int) -> bool:
+        self.events.append(f"lock {nbytes}")
+        if self.accept:
+            self.locked[address] = nbytes
+        return self.accept
+
+    def page_unlock(self, address: int) -> None:
+        self.events.append(f"unlock {self.locked.pop(address)}")
+
+
+def test_attached_buffers_are_page_locked_while_mapped(folder: Path) -> None:
+    growing = GrowingBuffer(folder, prefix="in")
+    locker = RecordingLocker()
+    attached = AttachedBuffers(folder, locker)
+    first = growing.fit(100)
+    assert attached.get(str(first.path)) is attached.current and attached.locked
+    assert list(locker.locked.values()) == [first.size]
+    assert attached.get(str(first.path)) is attached.current and len(locker.events) == 1  # same file: no relock
+    second = growing.fit(first.size + 1)
+    attached.get(str(second.path))
+    assert locker.events == [f"lock {first.size}", f"unlock {first.size}", f"lock {second.size}"]
+    attached.close()
+    assert locker.locked == {} and not attached.locked
+    refused = RecordingLocker(accept=False)
+    attached = AttachedBuffers(folder, refused)
+    attached.get(str(second.path))
+    assert not attached.locked
+    attached.close()
+    assert refused.events == [f"lock {second.size}"]  # never unlocked what was not locked
+    growing.close()
+
+
+def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path, model_file: Path) -> None:
+    """An engine that copies rows itself (the CUDA path, here with host-to-host copies) gets the workers'
+    shared buffers page-locked, and its answers are ONNX Runtime's."""
+    hosted: list[Any] = []
+
+    def loader(request: LoadRequest) -> tuple[Any, dict[str, Any]]:
+        engine = Engine.load(Path(request.files["plain"]).read_bytes(), CPU, _io_binding_on_cpu=True)
+        hosted.append(with_row_copies(engine))
+        return engine, {"device": "cpu"}
+
+    with _hosting(folder, loader):
+        engine, _ = _load(folder, {"plain": model_file})
+        rng = np.random.default_rng(3)
+        a, b = rng.normal(size=(2, 3, 8, 8)).astype(np.float32), rng.normal(size=(3, 3, 8, 8)).astype(np.float32)
+        got = engine.run_parts([{"input": a}, {"input": b}])["logits"].copy()
+        want = reference(model_file.read_bytes(), {"input": np.concatenate([a, b])})["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        (fake,) = hosted
+        assert len(fake.registered) == 1 and fake.copies  # the worker's buffer, locked while mapped
+        engine.close()
+        deadline = threading.Event()
+        for _ in range(100):
+            if not fake.registered:
+                break
+            deadline.wait(0.05)
+        assert fake.registered == []  # unlocked when the worker let go
