@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
 # setup calls), one or more parts per call:
-#   bench/gpu_session.sh PART [PART...]   PART: probe|tuner|engine|service|tests|bisect|floor|sharing|census|all
+#   bench/gpu_session.sh PART [PART...]   PART: probe|hostcopy|tuner|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
 # Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS,
 # TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py).
@@ -19,6 +19,10 @@ nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
 if want probe; then
   timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
     --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
+fi
+if want hostcopy; then  # the engine's row copies against whole-bucket copies; which memory page-locks (~1.5 min)
+  timeout "${HOSTCOPY_TIMEOUT_S:-150}" python3 bench/host_copy.py --out "$OUT/host-copy.json" 2>&1 \
+    | tee "$OUT/hostcopy.log" | tail -30
 fi
 if want tuner; then  # what precision "auto" serves for one model, and its times (about 2 minutes)
   timeout "${TUNER_TIMEOUT_S:-200}" python3 bench/tuner_check.py --model "${TUNER_MODEL:-resnet50}" \

@@ -6,6 +6,7 @@ Skipped unless ``cuda_status()`` says the CUDA provider is usable (run them on t
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -105,10 +106,15 @@ def test_bucket_copies_without_direct_copy(tiny: onnx.ModelProto) -> None:
             assert_matches_cpu(engine, tiny, n, seed)
 
 
-def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny: onnx.ModelProto, tmp_path) -> None:
-    """What the engine process does with a worker's buffer: page-lock the mapping, run from views of it."""
-    from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
+def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+    """What the engine process does with a worker's buffer in /dev/shm (as the server places them): page-lock
+    the mapping, run from views of it. (A file on a disk file system was refused: invalid argument.)"""
+    import shutil
+    import tempfile
 
+    from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, buffer_folder, layout_of
+
+    tmp_path = Path(tempfile.mkdtemp(dir=buffer_folder()))
     feeds = feeds_for(tiny_engine, 5, seed=50)
     layout, nbytes = layout_of({k: (v.shape, v.dtype) for k, v in feeds.items()})
     written = GrowingBuffer(tmp_path, prefix="in")
@@ -120,6 +126,7 @@ def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny:
     del views
     attached.close()
     written.close()
+    shutil.rmtree(tmp_path)
     for name, expected in cpu_outputs(tiny, feeds).items():
         assert rel_l2(got[name], expected) < REL_L2_FP32
 
