@@ -585,6 +585,7 @@ class Engine:
         self._lock.acquire_shared()  # cudaHostRegister must not meet another engine's graph capture
         try:
             self._cudart.register(address, nbytes)
+            logger.info("engine %s: page-locked a %.1f MiB shared buffer", self.variant, nbytes / (1 << 20))
             return True
         except cudart.CudaError as exc:
             logger.warning(

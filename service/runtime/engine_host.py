@@ -14,7 +14,8 @@ How:
   workers that load the same files with the same settings share one engine (the tuner runs once).
 * Tensors travel through shared buffers (``service.runtime.shared_buffer``): the worker writes its batch
   into its own mapped file and sends only the layout; the answer comes back the same way in a file this
-  process made for the connection.
+  process made for the connection. On CUDA this process page-locks each worker's buffer while it maps it,
+  so the engine copies the rows from there to the GPU by DMA, with no CPU copy here.
 * Each engine has one thread that serves its connections: it reads the batches, runs them (an Engine is
   used by one thread at a time) and answers them. With ``pipeline`` (``SERVICE_ENGINE_PROCESS_PIPELINE``,
   off by default) a second thread runs the engine, so that reading and answering overlap the GPU's work.
@@ -161,8 +162,10 @@ class HostedEngine:
     reading, merging and answering a batch happened between engine calls, with the GPU idle. With a fixed
     wait for the GPU the runner kept it 0.95 busy against 0.83 (bench/results/engine-process-overhead-
     2026-12-01-h200.json), but in the real service it changed no throughput and made a lone request 0.5 ms
-    slower (bench/results/service-2026-12-01-cuda-pipeline.json), so it is off by default: the service's
-    limit lies before the engine process.
+    slower (bench/results/service-2026-12-01-cuda-pipeline.json), so it is off by default. The limit was
+    inside the engine call: staging, zero-padding and copying whole buckets from pageable memory. With the
+    engine's row copies from page-locked worker buffers (service.runtime.cudart) the same service served
+    5,208 against 2,620 img/s at 64 clients, same run (bench/results/service-2026-12-01-cuda-direct-copy.json).
 
     One thread per engine, not one per connection: with a thread per connection handing jobs to the
     engine's thread, a lone request through 6 workers took 2.30 ms at p50 on the H200 host against 1.70 with one thread

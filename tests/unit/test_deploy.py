@@ -310,7 +310,9 @@ def test_compose_gpu_service_reserves_one_nvidia_gpu(compose: dict) -> None:
     assert "profiles" not in gpu, "the GPU service is the default one"
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert _settings_from_env({k: _substitute(str(v)) for k, v in gpu["environment"].items()}).engine.device == "cuda"
+    settings = _settings_from_env({k: _substitute(str(v)) for k, v in gpu["environment"].items()})
+    assert settings.engine.device == "cuda"
+    assert settings.workers > 1 and settings.engine_process, "one event loop cannot feed the GPU"
 
 
 def test_compose_cpu_profile_runs_on_the_cpu_provider(compose: dict) -> None:
@@ -319,6 +321,7 @@ def test_compose_cpu_profile_runs_on_the_cpu_provider(compose: dict) -> None:
     assert "deploy" not in cpu
     settings = _settings_from_env({k: _substitute(str(v)) for k, v in cpu["environment"].items()})
     assert settings.engine.device == "cpu"
+    assert settings.workers == 1
     assert settings.admin_token is None, "no token unless the operator provides one"
 
 
