@@ -15,7 +15,8 @@ from its receive buffer), the least any Python HTTP layer could cost here. ``ser
 ``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
 glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request.
 ``service_no_inline`` sends every request through the engine thread (``SERVICE_BATCHING__INLINE_MAX_MS=0``),
-where ``service`` runs a lone request on the event loop. The variants
+where ``service`` runs a lone request on the event loop; ``service_workers`` runs 2 workers and the engine
+process (the hand-over between processes). The variants
 alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
@@ -57,6 +58,7 @@ from service.settings import ServiceSettings  # noqa: E402
 TOKEN = "bench-http-overhead-token-0123456789"
 VARIANTS = (
     "service",
+    "service_workers",
     "service_no_inline",
     "service_heap_default",
     "floor",
@@ -101,6 +103,8 @@ def variant_server(name: str, work: Path, index: int) -> Server:
         env["SERVICE_HEAP_KEEP_MB"] = "0"
     if name == "service_no_inline":  # every request through the engine thread (SERVICE_BATCHING__INLINE_MAX_MS)
         env["SERVICE_BATCHING__INLINE_MAX_MS"] = "0"
+    if name == "service_workers":  # 2 workers and the engine process: the hand-over between processes
+        env["SERVICE_WORKERS"] = "2"
     return service_server(name, work / "models", "cpu", work, **env)
 
 
@@ -129,30 +133,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/http-overhead-<date>.json)")
     args = parser.parse_args(argv)
     head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi"))
     model = light_model()
     sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)
-    variants = [v for v in VARIANTS if v != "floor_granian" or importlib.util.find_spec("granian")]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(unknown)}")
+    variants = [v for v in args.variants if v != "floor_granian" or importlib.util.find_spec("granian")]
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    uploaded = False
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         work = Path(tmp)
+        with running(variant_server("service", work, -1), 120) as server:  # the store keeps it for every variant
+            r = httpx.post(
+                f"{server.url}/v1/models/light", content=model.SerializeToString(), headers=UPLOAD_HEADERS, timeout=120
+            )
+            r.raise_for_status()
         for index in range(args.rounds):
             names = variants if index % 2 == 0 else variants[::-1]
             for name in names:
                 with running(variant_server(name, work, index), 120) as server:
-                    if name.startswith("service") and not uploaded:  # the store keeps it for later rounds
-                        uploaded = True
-                        r = httpx.post(
-                            f"{server.url}/v1/models/light",
-                            content=model.SerializeToString(),
-                            headers=UPLOAD_HEADERS,
-                            timeout=120,
-                        )
-                        r.raise_for_status()
                     times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
                 samples[name].append(statistics.median(times))
                 print(f"round {index + 1}: {name:15s} p50 {samples[name][-1]:.3f} ms", flush=True)
@@ -173,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_round": args.requests,
         "client": "http.client, one request at a time, kept-alive connection",
         "rows": rows,
-        "service_minus_floor_ms": rows[0]["p50_ms_median_of_rounds"] - rows[1]["p50_ms_median_of_rounds"],
     }
+    p50 = {row["variant"]: row["p50_ms_median_of_rounds"] for row in rows}
+    if "service" in p50 and "floor" in p50:
+        document["service_minus_floor_ms"] = p50["service"] - p50["floor"]
+    if "service" in p50 and "service_workers" in p50:
+        document["workers_minus_service_ms"] = p50["service_workers"] - p50["service"]
     path = common.write_result(
         "http-overhead", document, head=head, path=args.out or common.RESULTS_DIR / f"http-overhead-{head['date']}.json"
     )

@@ -279,7 +279,7 @@ class Engine:
         self.load_s = 0.0
         # rows copied straight to the device by the CUDA runtime (see _copy_rows_to_device)
         self._cudart = cudart.runtime() if self._io_binding and choice.is_cuda and settings.direct_copy else None
-        self._copy_threads: set[int] = set()  # threads whose current CUDA device is set for those copies
+        self._copy_thread = threading.local()  # device_set: this thread's current CUDA device is ours
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod
@@ -546,10 +546,9 @@ class Engine:
         and their outputs are cut off, as every op of these models works per sample."""
         cudart = self._cudart
         assert cudart is not None
-        ident = threading.get_ident()
-        if ident not in self._copy_threads:
+        if not getattr(self._copy_thread, "device_set", False):
             cudart.set_device(self._choice.device_id)
-            self._copy_threads.add(ident)
+            self._copy_thread.device_set = True
         for name, value in bucket.inputs.items():
             address = value.data_ptr()
             for part in parts:

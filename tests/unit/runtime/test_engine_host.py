@@ -450,3 +450,15 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
                 break
             deadline.wait(0.05)
         assert fake.registered == []  # unlocked when the worker let go
+
+
+def test_only_an_engine_that_copies_rows_itself_gets_buffers_page_locked(model_file: Path) -> None:
+    """The CPU provider (or CUDA with direct_copy off) copies through ORT: nothing to page-lock for it."""
+    from service.runtime.engine_host import HostedEngine
+
+    with Engine.load(model_file.read_bytes(), CPU, _io_binding_on_cpu=True) as engine:
+        hosted = HostedEngine("k", engine, {}, 8)
+        assert hosted.page_locker() is None
+        with_row_copies(engine)
+        assert hosted.page_locker() is engine
+
