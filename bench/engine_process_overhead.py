@@ -7,7 +7,8 @@ process does besides running the engine (reading a batch, mapping its buffer, me
 the GPU idle unless it overlaps a run. This measures exactly that.
 
 How: the real EngineHost serves a fake engine whose ``run_parts`` copies the parts into one staging array
-(as the real engine copies them into its bound input) and then sleeps as long as the GPU took for that batch
+(as the real engine did before it copied rows straight to the device; it never stood in for the zeroed
+padding and the whole-bucket copy to the GPU, which were what held the real service back) and then sleeps as long as the GPU took for that batch
 (``--gpu-ms``: MobileNetV3-Large fp32 on an H200 at batch 1..64, with host copies), releasing the GIL as ONNX
 Runtime does. Each point runs with the engine process's runner thread (``pipeline``) and without it.
 Client processes call it through real RemoteEngines (``--in-flight`` connections each, one
