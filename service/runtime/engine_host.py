@@ -34,6 +34,7 @@ import logging
 import multiprocessing.connection
 import os
 import queue
+import selectors
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -190,6 +191,9 @@ class HostedEngine:
         self._joining: list[_Client] = []
         self._engine_closed = False
         self._wake_read, self._wake_write = os.pipe()
+        # one selector for the serving thread's life, not one per wait (multiprocessing.connection.wait
+        # registers every connection again on each call)
+        self._selector = selectors.DefaultSelector()
         os.set_blocking(self._wake_write, False)
         self.merged_calls = 0
         self._work: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()
@@ -251,12 +255,15 @@ class HostedEngine:
         if self._runner is None:
             self._prepare_engine_thread()
         clients: dict[Any, _Client] = {}
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
         try:
             while True:
                 with self._state:
                     joining, self._joining = self._joining, []
                     stopped = self._stopped
-                clients.update((client.conn, client) for client in joining)
+                for client in joining:
+                    clients[client.conn] = client
+                    self._selector.register(client.conn, selectors.EVENT_READ, client)
                 if stopped:
                     return
                 try:
@@ -268,6 +275,7 @@ class HostedEngine:
             for client in clients.values():
                 client.close()
             self._close_engine()
+            self._selector.close()
             os.close(self._wake_read)
             os.close(self._wake_write)
 
@@ -289,9 +297,9 @@ class HostedEngine:
     def _serve_once(self, clients: dict[Any, _Client]) -> None:
         """Wait until some connection is readable (or a wake-up), read every batch that waits and run it
         (with the runner: hand it over), answer what the runner finished."""
-        ready = multiprocessing.connection.wait([*clients, self._wake_read])
-        jobs = [job for conn in ready if conn != self._wake_read for job in self._read(clients, clients[conn])]
-        if self._wake_read in ready:
+        ready = [key.data for key, _ in self._selector.select()]
+        jobs = [job for client in ready if client is not None for job in self._read(clients, client)]
+        if None in ready:  # the wake-up pipe
             os.read(self._wake_read, 4096)
         if self._runner is None:
             for batch in self._batches(jobs):
@@ -328,6 +336,8 @@ class HostedEngine:
 
     def _drop(self, clients: dict[Any, _Client], client: _Client, *, answer: bool = False) -> None:
         del clients[client.conn]
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(client.conn)
         if self._release is not None:
             self._release(self)
         if self._stopped:  # that was the last user: the engine is closed before the worker hears back
