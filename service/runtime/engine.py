@@ -550,9 +550,12 @@ class Engine:
             cudart.set_device(self._choice.device_id)
             self._copy_thread.device_set = True
         for name, value in bucket.inputs.items():
-            address = value.data_ptr()
+            address, rows = value.data_ptr(), 0
             for part in parts:
                 array = np.ascontiguousarray(part[name])  # dtype and sample shape checked by _validate
+                rows += len(array)
+                if rows > bucket.size:  # never write past the device buffer, whatever the caller did
+                    raise EngineError(f"internal error: {rows} rows for a bucket of {bucket.size}")
                 cudart.copy_to_device(address, array.ctypes.data, array.nbytes)
                 address += array.nbytes
         cudart.wait_copies()

@@ -344,3 +344,11 @@ def test_page_lock_goes_through_the_cuda_runtime_and_reports_refusal(
         with caplog.at_level(logging.WARNING, logger="service.runtime.engine"):
             assert eng.page_lock(4096, 8192) is False
         assert "stay pageable" in caplog.text and "operation not supported" in caplog.text
+
+
+def test_row_copies_never_write_past_the_bucket(model: onnx.ModelProto) -> None:
+    with Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        fake = with_row_copies(eng)
+        with pytest.raises(EngineError, match="5 rows for a bucket of 4"):
+            eng._copy_rows_to_device(eng._bound[4], [{"x": images(3)}, {"x": images(2)}])
+        assert len(fake.copies) == 1  # the first part only

@@ -462,3 +462,19 @@ def test_only_an_engine_that_copies_rows_itself_gets_buffers_page_locked(model_f
         with_row_copies(engine)
         assert hosted.page_locker() is engine
 
+
+
+def test_a_buffer_keeps_its_last_layouts_views_and_lets_go_on_close(folder: Path) -> None:
+    buffer = SharedBuffer.create(folder, 4096, prefix="views")
+    layout, _ = layout_of({"a": ((2, 3), np.dtype(np.float32))})
+    first = buffer.views(layout)
+    first["a"][...] = 7
+    again = buffer.views(layout)
+    assert again is not first and again["a"] is first["a"]  # the same view, in a dict of its own
+    other, _ = layout_of({"a": ((3, 2), np.dtype(np.float32))})
+    assert buffer.views(other)["a"].shape == (3, 2)
+    listed = [[name, dtype, list(shape), offset] for name, dtype, shape, offset in layout]  # unhashable
+    np.testing.assert_array_equal(buffer.views(listed)["a"], np.full((2, 3), 7, np.float32))  # type: ignore[arg-type]
+    del first, again
+    buffer.close()
+    assert not buffer.path.exists() and buffer._last_views is None
