@@ -8,9 +8,10 @@ the GPU idle unless it overlaps a run. This measures exactly that.
 
 How: the real EngineHost serves a fake engine whose ``run_parts`` copies the parts into one staging array
 (as the real engine did before it copied rows straight to the device; it never stood in for the zeroed
-padding and the whole-bucket copy to the GPU, which were what held the real service back) and then sleeps as long as the GPU took for that batch
-(``--gpu-ms``: MobileNetV3-Large fp32 on an H200 at batch 1..64, with host copies), releasing the GIL as ONNX
-Runtime does. Each point runs with the engine process's runner thread (``pipeline``) and without it.
+padding and the whole-bucket copy to the GPU, which were what held the real service back) and then sleeps
+as long as the GPU took for that batch (``--gpu-ms``: MobileNetV3-Large fp32 on an H200 at batch 1..64, with
+host copies), releasing the GIL as ONNX Runtime does. Each point runs with the engine process's runner
+thread (``pipeline``) and without it.
 Client processes call it through real RemoteEngines (``--in-flight`` connections each, one
 thread per connection) as fast as they can, with 3x224x224 float32 samples. Reported per point: calls/s,
 samples/s, mean batch, the fraction of the wall time the fake GPU was busy (the engine fraction of a service
