@@ -162,8 +162,16 @@ class EngineProcessMetrics:
             "service_engine_process_batch_size", "Samples per engine call in the engine process (batches of "
             "several workers merged).", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
         )
+        self.page_locked = Gauge(
+            "service_engine_process_page_locked_bytes", "Workers' shared buffers the engine process holds "
+            "page-locked, so that its copies to the GPU are DMA (0 on CPU, or where the driver refused: see "
+            "the log).", registry=self.registry, multiprocess_mode="livesum",
+        )
         self._labelled = _Children().get
 
     def observe_call(self, model: str, samples: int) -> None:
         self._labelled(self.batch_size, model).observe(samples)
+
+    def observe_page_lock(self, delta_bytes: int) -> None:
+        self.page_locked.inc(delta_bytes)
 

@@ -318,7 +318,9 @@ def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready:
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    host = EngineHost(address, observe=EngineProcessMetrics().observe_call, pipeline=settings.engine_process_pipeline)
+    metrics = EngineProcessMetrics()
+    host = EngineHost(address, observe=metrics.observe_call, observe_page_lock=metrics.observe_page_lock,
+                      pipeline=settings.engine_process_pipeline)
     host.start()
     log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
 

@@ -84,6 +84,8 @@ class LoadRequest:
 
 Loader = Callable[[LoadRequest], tuple[Any, dict[str, Any]]]
 BatchObserver = Callable[[str, int], None]
+PageLockObserver = Callable[[int], None]
+"""Told the change in page-locked bytes (positive when a buffer is locked, negative when it is let go)."""
 """Called with (model label, samples) after every engine call of the engine process."""
 
 
@@ -99,6 +101,26 @@ def error_fields(exc: BaseException) -> tuple[str, str]:
         return type(exc).__name__, str(exc)
     log.error("engine call failed: %s: %s", type(exc).__name__, exc)
     return "EngineError", f"inference failed in the engine process ({type(exc).__name__})"
+
+
+class _CountedLocker:
+    """A PageLocker that reports every change in page-locked bytes (for the engine process's metrics)."""
+
+    def __init__(self, locker: PageLocker, observe: PageLockObserver) -> None:
+        self._locker = locker
+        self._observe = observe
+        self._locked: dict[int, int] = {}
+
+    def page_lock(self, address: int, nbytes: int) -> bool:
+        locked = self._locker.page_lock(address, nbytes)
+        if locked:
+            self._locked[address] = nbytes
+            self._observe(nbytes)
+        return locked
+
+    def page_unlock(self, address: int) -> None:
+        self._locker.page_unlock(address)
+        self._observe(-self._locked.pop(address, 0))
 
 
 class _Client:
@@ -426,11 +448,12 @@ class EngineHost:
 
     def __init__(
         self, address: HostAddress, *, loader: Loader = load_request_in_process, observe: BatchObserver | None = None,
-        pipeline: bool = False,
+        pipeline: bool = False, observe_page_lock: PageLockObserver | None = None,
     ) -> None:
         self.address = address
         self._loader = loader
         self._observe = observe
+        self._observe_page_lock = observe_page_lock
         self._pipeline = pipeline
         # a socket left by an engine process that was killed would refuse the bind (the folder is ours)
         Path(address.socket_path).unlink(missing_ok=True)
@@ -527,7 +550,10 @@ class EngineHost:
             except Exception as exc:
                 conn.send(("error", *error_fields(exc)))
                 return
-            client = _Client(conn, Path(self.address.buffer_dir), hosted.page_locker())
+            locker = hosted.page_locker()
+            if locker is not None and self._observe_page_lock is not None:
+                locker = _CountedLocker(locker, self._observe_page_lock)
+            client = _Client(conn, Path(self.address.buffer_dir), locker)
             try:
                 hosted.attach(client)
             except EngineError as exc:  # the engine process is closing

@@ -144,6 +144,9 @@ def test_two_workers_share_the_port_and_the_store(tmp_path: Path, engine_process
             # the engine process counts the samples it ran: at least both requests' (plus warm-ups)
             samples = metric_total(text, "service_engine_process_batch_size_sum", model="tiny")
             assert (samples >= 2 * len(x)) == engine_process, samples
+            # and what it holds page-locked for the GPU: nothing on the CPU provider
+            assert ("service_engine_process_page_locked_bytes" in text) == engine_process
+            assert metric_total(text, "service_engine_process_page_locked_bytes") == 0
 
         status, body = call(b, "DELETE", "/v1/models/tiny/versions/1", headers=AUTH)
         assert status in (200, 204), body

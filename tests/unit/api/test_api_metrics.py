@@ -52,3 +52,17 @@ def test_forget_version_drops_its_series() -> None:
     assert _samples(m)[("service_queue_depth", (("model", "net"), ("version", "2")))] == 5
     content_type = m.render()[1]
     assert content_type.startswith("text/plain")
+
+
+def test_engine_process_reports_page_locked_bytes() -> None:
+    from prometheus_client import generate_latest
+
+    from service.metrics import EngineProcessMetrics
+
+    metrics = EngineProcessMetrics()
+    metrics.observe_page_lock(3 << 20)
+    metrics.observe_page_lock(5 << 20)
+    metrics.observe_page_lock(-(3 << 20))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    (sample,) = families["service_engine_process_page_locked_bytes"].samples
+    assert sample.value == 5 << 20

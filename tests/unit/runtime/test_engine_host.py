@@ -434,7 +434,10 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
         hosted.append(with_row_copies(engine))
         return engine, {"device": "cpu"}
 
-    with _hosting(folder, loader):
+    changes: list[int] = []
+    host = EngineHost(_address(folder), loader=loader, observe_page_lock=changes.append)
+    host.start()
+    try:
         engine, _ = _load(folder, {"plain": model_file})
         rng = np.random.default_rng(3)
         a, b = rng.normal(size=(2, 3, 8, 8)).astype(np.float32), rng.normal(size=(3, 3, 8, 8)).astype(np.float32)
@@ -443,6 +446,7 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         (fake,) = hosted
         assert len(fake.registered) == 1 and fake.copies  # the worker's buffer, locked while mapped
+        assert changes == [fake.registered[0][1]]  # reported for the metrics
         engine.close()
         deadline = threading.Event()
         for _ in range(100):
@@ -450,6 +454,9 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
                 break
             deadline.wait(0.05)
         assert fake.registered == []  # unlocked when the worker let go
+        assert len(changes) == 2 and sum(changes) == 0
+    finally:
+        host.close()
 
 
 def test_only_an_engine_that_copies_rows_itself_gets_buffers_page_locked(model_file: Path) -> None:
