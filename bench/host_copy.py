@@ -20,7 +20,6 @@ import mmap
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 from service.optimizer import optimize  # noqa: E402
-from service.runtime.engine import Engine  # noqa: E402
+from service.runtime.engine import Engine, random_feeds, time_calls  # noqa: E402
 from service.runtime.shared_buffer import SharedBuffer, buffer_folder  # noqa: E402
 from service.settings import EngineSettings  # noqa: E402
 from service.zoo import build  # noqa: E402
@@ -41,13 +40,7 @@ PARTS = ((4, 5), (16, 17))
 
 
 def _median_ms(fn: Any, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, runs=runs, max_s=10.0, warmup=1))
 
 
 def _engines(model: Any) -> dict[str, Engine]:
@@ -59,8 +52,7 @@ def _engines(model: Any) -> dict[str, Engine]:
 
 
 def _feeds(engine: Engine, n: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal((n, *s.shape[1:])).astype(s.dtype) for s in engine.inputs}
+    return random_feeds(engine.inputs, n, np.random.default_rng(seed))
 
 
 def time_paths(engines: dict[str, Engine], rounds: int, runs: int) -> list[dict[str, Any]]:
@@ -101,14 +93,15 @@ def page_locking(engine: Engine, runs: int) -> list[dict[str, Any]]:
     results = []
     for kind in ("dev_shm", "temp_folder", "anonymous"):
         captured.messages.clear()
-        shared = None
+        shape = (n, 3, 224, 224)
+        shared = mapping = None
         if kind == "anonymous":
             mapping = mmap.mmap(-1, nbytes)
+            view = np.ndarray(shape, np.float32, buffer=mapping)
         else:
             folder = buffer_folder() if kind == "dev_shm" else Path(tempfile.gettempdir())
             shared = SharedBuffer.create(folder, nbytes, prefix="hostcopy")
-            mapping = shared._map
-        view = np.ndarray((n, 3, 224, 224), np.float32, buffer=mapping)
+            view = shared.array(np.float32, shape, 0)
         view[...] = np.random.default_rng(7).standard_normal(view.shape, dtype=np.float32)
         address = int(view.ctypes.data)
         locked = engine.page_lock(address, nbytes)
@@ -123,7 +116,7 @@ def page_locking(engine: Engine, runs: int) -> list[dict[str, Any]]:
         del view, feeds
         if shared is not None:
             shared.close()
-        else:
+        if mapping is not None:
             mapping.close()
         results.append(row)
     logging.getLogger("service.runtime.engine").removeHandler(captured)

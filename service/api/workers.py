@@ -214,9 +214,7 @@ class Supervisor:
             for worker in list(self.workers.values()):
                 if self.stopping or worker.process.is_alive():
                     continue
-                _forget_metrics_of(worker.process.pid)
-                if self.connection_counts is not None:
-                    self.connection_counts[worker.index] = 0  # its connections died with it
+                self._forget(worker)
                 log.error("worker %d (pid %d) exited with %s", worker.index, worker.process.pid,
                           worker.process.exitcode)
                 if not self._may_restart():
@@ -272,9 +270,13 @@ class Supervisor:
                 log.error("worker %d did not stop in time: killing it", worker.index)
                 worker.process.kill()
                 worker.process.join(5)
-            _forget_metrics_of(worker.process.pid)
-            if self.connection_counts is not None:
-                self.connection_counts[worker.index] = 0  # a stopped worker holds no connections
+            self._forget(worker)
+
+    def _forget(self, worker: _Worker) -> None:
+        """A worker that exited: its live metrics go, and it holds no connections any more."""
+        _forget_metrics_of(worker.process.pid)
+        if self.connection_counts is not None:
+            self.connection_counts[worker.index] = 0
 
 
 def _forget_metrics_of(pid: int | None) -> None:

@@ -84,9 +84,9 @@ class LoadRequest:
 
 Loader = Callable[[LoadRequest], tuple[Any, dict[str, Any]]]
 BatchObserver = Callable[[str, int], None]
+"""Called with (model label, samples) after every engine call of the engine process."""
 PageLockObserver = Callable[[int], None]
 """Told the change in page-locked bytes (positive when a buffer is locked, negative when it is let go)."""
-"""Called with (model label, samples) after every engine call of the engine process."""
 
 
 def load_request_in_process(request: LoadRequest) -> tuple[Any, dict[str, Any]]:

@@ -20,7 +20,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class SharedBuffer:
         self.size = size
         self._map = mapping
         self._owner = owner
-        self._last_views: tuple[Any, dict[str, np.ndarray]] | None = None
+        self._last_views: tuple[Layout, dict[str, np.ndarray]] | None = None
 
     @classmethod
     def create(cls, folder: Path, size: int, *, prefix: str = "buf") -> SharedBuffer:
@@ -112,19 +112,11 @@ class SharedBuffer:
     def views(self, layout: Layout) -> dict[str, np.ndarray]:
         """Views of the tensors of ``layout``. The last layout's views are kept: a worker sends the same
         layout call after call, and making the arrays again took about a tenth of the engine process's serving
-        thread (py-spy, CPU machine). With the selector kept by the serving thread, the engine process's time
-        per call fell 9% (bench/results/engine-process-overhead-2026-12-01-cpu-selector-ab.log)."""
-        try:
-            key: Any = tuple(layout)
-            hash(key)
-        except TypeError:  # a layout that came with lists inside: nothing to keep
-            key = None
-        if key is not None and self._last_views is not None and self._last_views[0] == key:
-            return dict(self._last_views[1])
-        views = {name: self.array(dtype, shape, offset) for name, dtype, shape, offset in layout}
-        if key is not None:
-            self._last_views = (key, views)
-        return dict(views)
+        thread (py-spy, CPU machine; bench/results/engine-process-overhead-2026-12-01-cpu-selector-ab.log)."""
+        if self._last_views is None or self._last_views[0] != layout:
+            views = {name: self.array(dtype, shape, offset) for name, dtype, shape, offset in layout}
+            self._last_views = (list(layout), views)
+        return dict(self._last_views[1])
 
     def write_rows(self, layout: Layout, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
         """Write the parts one after the other along axis 0 into the tensors of ``layout``."""
