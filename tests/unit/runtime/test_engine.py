@@ -16,7 +16,7 @@ from builders import with_row_copies
 from onnx import TensorProto, helper, numpy_helper
 
 from service.errors import EngineError, InvalidInputError
-from service.runtime import providers
+from service.runtime import cudart, providers
 from service.runtime.engine import Engine, signature
 from service.runtime.providers import cuda_status
 from service.settings import EngineSettings
@@ -352,3 +352,34 @@ def test_row_copies_never_write_past_the_bucket(model: onnx.ModelProto) -> None:
         with pytest.raises(EngineError, match="5 rows for a bucket of 4"):
             eng._copy_rows_to_device(eng._bound[4], [{"x": images(3)}, {"x": images(2)}])
         assert len(fake.copies) == 1  # the first part only
+
+
+def test_a_failed_copy_to_the_device_is_an_engine_error_naming_the_call(
+    model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API answers an EngineError with a 500 and its message; the engine stays usable."""
+    with Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        fake = with_row_copies(eng)
+
+        def broken(*_args: object) -> None:
+            raise cudart.CudaError("cudaMemcpy failed: an illegal memory access was encountered (700)")
+
+        monkeypatch.setattr(fake, "copy_to_device", broken)
+        with pytest.raises(EngineError, match="cudaMemcpy failed"):
+            eng.run({"x": images(2)})
+        monkeypatch.undo()
+        x = images(2)
+        np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_page_unlock_is_logged_not_raised(model: onnx.ModelProto, caplog: pytest.LogCaptureFixture) -> None:
+    with Engine.load(model, CPU_SETTINGS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        fake = with_row_copies(eng)
+
+        def broken(_address: int) -> None:
+            raise cudart.CudaError("cudaHostUnregister failed: invalid argument (1)")
+
+        fake.unregister = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="service.runtime.engine"):
+            eng.page_unlock(4096)
+        assert "could not unlock" in caplog.text and "invalid argument" in caplog.text
