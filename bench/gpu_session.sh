@@ -4,7 +4,7 @@
 #   bench/gpu_session.sh PART [PART...]   PART: probe|hostcopy|tuner|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
 # Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS,
-# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py).
+# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py), CENSUS_ARGS (bench/kernel_census.py, e.g. "--models mnv3").
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
 # `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
 # whatever stale checkout surrounds the snapshot in every result header.
@@ -56,6 +56,6 @@ if want sharing only; then  # N processes on one GPU; b64 variants without CUDA 
     | tee "$OUT/sharing.log" | tail -30
 fi
 if want census only; then
-  timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py --out "$OUT/kernel-census.json" 2>&1 \
+  timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py ${CENSUS_ARGS:-} --out "$OUT/kernel-census.json" 2>&1 \
     | tee "$OUT/census.log" | tail -30
 fi

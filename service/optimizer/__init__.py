@@ -21,7 +21,7 @@ from service.optimizer.report import OptimizationReport, PassStat, op_histogram
 from service.optimizer.verify import verify_equivalent
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
-OPTIMIZER_VERSION = "1"
+OPTIMIZER_VERSION = "2"  # 2: sink_conv_bias
 # ONNX Runtime 1.2x-1.3x reads IR versions up to 10-13; never write a newer one than we need.
 MAX_IR_VERSION = 10
 

@@ -27,6 +27,7 @@ from service.optimizer.passes.fuse_hardsigmoid import fuse_hardsigmoid
 from service.optimizer.passes.fuse_hardswish import fuse_hardswish
 from service.optimizer.passes.fuse_matmul_add_into_gemm import fuse_matmul_add_into_gemm
 from service.optimizer.passes.fuse_mul_hardsigmoid_into_hardswish import fuse_mul_hardsigmoid_into_hardswish
+from service.optimizer.passes.sink_conv_bias import sink_conv_bias
 
 if TYPE_CHECKING:
     from service.optimizer import OptimizerConfig
@@ -57,7 +58,8 @@ def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always) -> Pas
 # Explicit order: clean up first, then fold normalisation into convolutions, then the activation
 # fusions, then constants into convolutions (after the activations: it would otherwise fold the
 # ``+ 3`` / ``/ 6`` of a hard-sigmoid that follows a conv into the conv and leave an unmatchable Clip),
-# and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
+# then conv biases that only other convs read move into those (after every fold into a conv's bias), and
+# FusedConv last (it consumes the Relu/Add that the earlier passes leave).
 DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(constants_to_initializers),
     _spec(eliminate_identity),
@@ -71,6 +73,7 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(fuse_hardswish),
     _spec(fuse_mul_hardsigmoid_into_hardswish),
     _spec(fuse_elementwise_into_conv),
+    _spec(sink_conv_bias),
     _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled),
     _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled),
 )

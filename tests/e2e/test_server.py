@@ -83,22 +83,25 @@ def test_upload_predict_triton_sigterm_restart(tmp_path: Path) -> None:
                 np.testing.assert_allclose(via_triton[name], answer[name], rtol=1e-5, atol=1e-6)
 
         # SIGTERM while a request waits in its 400 ms batch window: it completes, the exit is clean.
+        # The client connects first, so the request leaves at once (a fresh httpx.post spent over 150 ms
+        # building its client on a loaded 2-core machine, and the SIGTERM overtook it).
         late: dict[str, object] = {}
+        client = httpx.Client(base_url=server.url, timeout=30)
+        assert client.get("/v2/health/live").status_code == 200
 
         def in_flight() -> None:
-            late["response"] = httpx.post(
-                f"{server.url}/predict",
-                json={"model": "tiny", "inputs": {"input": x[:1].tolist()}},
-                timeout=30,
+            late["response"] = client.post(
+                "/predict", json={"model": "tiny", "inputs": {"input": x[:1].tolist()}}
             )
 
         thread = threading.Thread(target=in_flight)
         thread.start()
-        time.sleep(0.15)
+        time.sleep(0.2)
         start = time.monotonic()
         assert server.terminate() == 0
         assert time.monotonic() - start < GRACE_S + 2
         thread.join(timeout=10)
+        client.close()
         response = late["response"]
         assert isinstance(response, httpx.Response) and response.status_code == 200
         np.testing.assert_allclose(
