@@ -321,6 +321,7 @@ class ModelVersion:
             on_batch=self._on_batch,
             inline_max_s=self.config.inline_max_s,
             in_flight=int(getattr(engine, "max_concurrent_calls", 1)),
+            engine_seconds=getattr(engine, "engine_seconds", None),
         )
         self._batcher.start()
         warm = self._warmup_inputs()

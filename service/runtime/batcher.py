@@ -98,6 +98,7 @@ class Batcher:
         run_parts: RunParts | None = None,
         inline_max_s: float = 0.0,
         in_flight: int = 1,
+        engine_seconds: Callable[[], float | None] | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0 or inline_max_s < 0:
             raise ValueError(
@@ -132,6 +133,9 @@ class Batcher:
         # of a lone request, measured on whichever thread ran it.
         self.inline_max_s = inline_max_s if max_delay_s == 0 else 0.0
         self._lone_run_s: dict[int, float] = {}
+        # An engine in another process (RemoteEngine) tells its own time: the round trip would put a
+        # model near the limit on the far side of it, and its lone requests through the hand-over.
+        self._engine_seconds = engine_seconds
 
     # ------------------------------------------------------------------ public API
 
@@ -162,7 +166,8 @@ class Batcher:
         or running and the engine last served this many samples within ``inline_max_s``, the request runs
         right here on the event loop: no hand-over to the engine thread and back, which costs more than a
         fast GPU engine call on a server that is otherwise idle. Under load (not ``alone``) every request
-        takes the batching path.
+        takes the batching path. An engine in the engine process is judged by the time it reports for its
+        own call (``engine_seconds``), not by the round trip to it.
 
         Raises QueueFullError (queue full), RequestTimeoutError (deadline passed), ShuttingDownError,
         InvalidInputError (inconsistent batch sizes) or EngineError / the ServiceError the engine raised.
@@ -454,7 +459,9 @@ class Batcher:
         if len(inputs) == 1:
             started = time.perf_counter()
             outputs = self._run_batch(inputs[0])
-            self._lone_run_s[sizes[0]] = time.perf_counter() - started
+            took = time.perf_counter() - started
+            own = self._engine_seconds() if self._engine_seconds is not None else None
+            self._lone_run_s[sizes[0]] = took if own is None else own
         elif self._run_parts is not None:
             outputs = self._run_parts(inputs)
         else:

@@ -33,10 +33,12 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import pickle
 import queue
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -134,7 +136,7 @@ class _Client:
         self.inputs = AttachedBuffers(folder, locker)
         self.outputs = GrowingBuffer(folder, prefix="out")
 
-    def reply(self, outputs: Mapping[str, np.ndarray]) -> None:
+    def reply(self, outputs: Mapping[str, np.ndarray], run_s: float = 0.0) -> None:
         try:
             layout, nbytes = layout_of(_shapes(outputs))
             buffer = self.outputs.fit(nbytes)
@@ -142,14 +144,14 @@ class _Client:
         except Exception as exc:
             self.fail(exc)
             return
-        self._send(("ok", str(buffer.path), layout))
+        self._send(("ok", str(buffer.path), layout, run_s))
 
     def fail(self, exc: BaseException) -> None:
         self._send(("error", *error_fields(exc)))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         with contextlib.suppress(OSError):  # a worker that went away is noticed at its next read
-            self.conn.send(message)
+            self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))  # not ForkingPickler
 
     def close(self) -> None:
         self.inputs.close()
@@ -162,6 +164,8 @@ class _Job:
     client: _Client
     feeds: dict[str, np.ndarray]
     n: int
+    run_s: float = 0.0
+    """The engine call's time (shared by the batch), sent back with the outputs."""
 
     @property
     def shape_key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -414,6 +418,7 @@ class HostedEngine:
         """Run the batch; each job's outputs (its rows) or the error it gets."""
         if self._observe is not None:
             self._observe(self.label, sum(job.n for job in batch))
+        started = time.perf_counter()
         try:
             if len(batch) == 1:
                 outputs = self.engine.run(batch[0].feeds)
@@ -425,6 +430,8 @@ class HostedEngine:
                 return [(batch[0], exc)]
             # one bad request must not fail the others: run each alone
             return [result for job in batch for result in self._execute([job])]
+        for job in batch:
+            job.run_s = time.perf_counter() - started
         if len(batch) == 1:
             return [(batch[0], outputs)]
         results: list[tuple[_Job, Outcome]] = []
@@ -440,7 +447,7 @@ def _answer(results: list[tuple[_Job, Outcome]]) -> None:
         if isinstance(outcome, BaseException):
             job.client.fail(outcome)
         else:
-            job.client.reply(outcome)
+            job.client.reply(outcome, job.run_s)
 
 
 class EngineHost:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import pickle
 import queue
+import selectors
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -113,6 +115,17 @@ class RemoteEngine:
         self._out = AttachedBuffers(folder)
         self._guard = threading.Lock()
         self._closed = False
+        # one selector for the connection's life: conn.poll(timeout) builds and fills a new one per call
+        # (about 20 us of a ~45 us pipe round trip on the CPU machine)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(conn, selectors.EVENT_READ)
+        self.last_engine_s: float | None = None
+        """How long the engine process's engine call for the last batch took (the hop not counted)."""
+
+    def engine_seconds(self) -> float | None:
+        """The last batch's time in the engine itself: what the batcher's inline rule compares (the
+        engine's time, as for an engine in process, not the round trip through the engine process)."""
+        return self.last_engine_s
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -135,15 +148,16 @@ class RemoteEngine:
             reply = self._call(("run", str(buffer.path), layout, rows))
             if reply[0] != "ok":
                 raise rebuild_error(reply[1], reply[2])
-            _, path, out_layout = reply
+            _, path, out_layout, self.last_engine_s = reply
             return self._out.get(path).views(out_layout)
         finally:
             self._guard.release()
 
     def _call(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
-            self._conn.send(message)
-            if not self._conn.poll(RUN_TIMEOUT_S):
+            self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))  # Connection.send's
+            # ForkingPickler copies the reducer table on every call (6 against 1.5 us here)
+            if not self._selector.select(RUN_TIMEOUT_S):
                 self._give_up()
                 raise EngineError(f"the engine process did not answer within {RUN_TIMEOUT_S:g} s")
             return self._conn.recv()
@@ -153,6 +167,7 @@ class RemoteEngine:
 
     def _give_up(self) -> None:
         self._closed = True
+        self._selector.close()
         self._conn.close()
 
     def close(self) -> None:
@@ -196,6 +211,11 @@ class RemoteEnginePool:
         self._idle: queue.SimpleQueue[RemoteEngine] = queue.SimpleQueue()
         for engine in engines:
             self._idle.put(engine)
+        self.last_engine_s: float | None = None
+
+    def engine_seconds(self) -> float | None:
+        """See ``RemoteEngine.engine_seconds`` (the last call's, whichever connection made it)."""
+        return self.last_engine_s
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -203,7 +223,9 @@ class RemoteEnginePool:
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         engine = self._idle.get()
         try:
-            return {name: value.copy() for name, value in engine.run_parts(parts).items()}
+            outputs = {name: value.copy() for name, value in engine.run_parts(parts).items()}
+            self.last_engine_s = engine.last_engine_s
+            return outputs
         finally:
             self._idle.put(engine)
 

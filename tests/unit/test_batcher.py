@@ -483,6 +483,15 @@ def test_a_request_among_others_takes_the_engine_thread():
     assert -1 not in threads and len(threads) == 1
 
 
+@pytest.mark.parametrize(("own_s", "inline"), [(0.001, True), (0.02, False)])
+def test_an_engine_that_tells_its_own_time_is_judged_by_it(own_s, inline):
+    # a remote engine: the round trip (20 ms here) exceeds the limit, the engine's own time may not
+    results, threads = inline_run(FakeEngine(delay_s=0.02), first_alone=True, second_alone=True,
+                                  inline_max_s=0.005, engine_seconds=lambda: own_s)
+    check_own(results[1], rows(2.0, 1))
+    assert (threads == {-1}) is inline
+
+
 @pytest.mark.parametrize(
     ("options", "delay_s"),
     [

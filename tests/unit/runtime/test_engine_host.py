@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,18 @@ def test_remote_engine_answers_as_onnx_runtime_does(folder: Path, model_file: Pa
         got = engine.run_parts([{"input": a}, {"input": b}])["logits"]
         want = reference(model_file.read_bytes(), {"input": np.concatenate([a, b])})["logits"]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        engine.close()
+
+
+def test_remote_engine_reports_the_engine_calls_own_time(folder: Path, model_file: Path) -> None:
+    with _hosting(folder):
+        engine, _ = _load(folder, {"plain": model_file})
+        assert engine.engine_seconds() is None  # nothing run yet
+        started = time.perf_counter()
+        engine.run({"input": np.ones((1, 3, 8, 8), np.float32)})
+        round_trip = time.perf_counter() - started
+        own = engine.engine_seconds()
+        assert own is not None and 0 < own < round_trip  # the engine call alone, without the hop
         engine.close()
 
 
