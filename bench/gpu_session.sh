@@ -4,7 +4,8 @@
 #   bench/gpu_session.sh PART [PART...]   PART: probe|hostcopy|tuner|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
 # Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS,
-# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py), CENSUS_ARGS (bench/kernel_census.py, e.g. "--models mnv3").
+# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py), CENSUS_ARGS (bench/kernel_census.py, e.g. "--models mnv3"),
+# FLOOR_ARGS (bench/http_overhead.py, e.g. "--variants service,floor_raw").
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
 # `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
 # whatever stale checkout surrounds the snapshot in every result header.
@@ -47,7 +48,7 @@ if want bisect only; then
     --out "$OUT/cuda-bisect.json" 2>&1 | tee "$OUT/bisect.log" | tail -30
 fi
 if want floor only; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
-  timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 \
+  timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 ${FLOOR_ARGS:-} \
     --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
 fi
 if want sharing only; then  # N processes on one GPU; b64 variants without CUDA graphs

@@ -15,9 +15,10 @@ from its receive buffer), the least any Python HTTP layer could cost here. ``ser
 ``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
 glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request.
 ``service_no_inline`` sends every request through the engine thread (``SERVICE_BATCHING__INLINE_MAX_MS=0``),
-where ``service`` runs a lone request on the event loop; ``service_workers`` runs 2 workers and the engine
-process (the hand-over between processes). The variants
-alternate in rounds so that all see the same minutes of a shared host.
+where ``service`` runs a lone request on the event loop; ``service_no_gather`` lets uvicorn write a
+response's head and body separately (``SERVICE_HTTP_GATHER_WRITES=false``); ``service_workers`` runs 2
+workers and the engine process (the hand-over between processes). The variants alternate in rounds so
+that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
 
 One request at a time, uvicorn's body buffer (``SERVICE_HTTP_BODY_BUFFER_KB``) made no difference at
@@ -60,6 +61,7 @@ VARIANTS = (
     "service",
     "service_workers",
     "service_no_inline",
+    "service_no_gather",
     "service_heap_default",
     "floor",
     "floor_heap_kept",
@@ -103,6 +105,8 @@ def variant_server(name: str, work: Path, index: int) -> Server:
         env["SERVICE_HEAP_KEEP_MB"] = "0"
     if name == "service_no_inline":  # every request through the engine thread (SERVICE_BATCHING__INLINE_MAX_MS)
         env["SERVICE_BATCHING__INLINE_MAX_MS"] = "0"
+    if name == "service_no_gather":  # uvicorn's own writes: head and body of a response in two sends
+        env["SERVICE_HTTP_GATHER_WRITES"] = "false"
     if name == "service_workers":  # 2 workers and the engine process: the hand-over between processes
         env["SERVICE_WORKERS"] = "2"
     return service_server(name, work / "models", "cpu", work, **env)

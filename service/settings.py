@@ -180,6 +180,11 @@ class ServiceSettings(BaseSettings):
         description="Request body uvicorn buffers before pausing the socket (its own default, 64 KiB, costs "
         "event-loop round trips per image tensor: half the HTTP layer's CPU under concurrent load).",
     )
+    http_gather_writes: bool = Field(
+        True,
+        description="Send each response's head and body with one socket write (the writes of one event-loop "
+        "step are gathered; uvicorn itself writes them separately, which wakes a waiting client twice).",
+    )
     gil_switch_interval_ms: float = Field(
         0.5,
         gt=0.0,

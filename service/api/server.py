@@ -22,6 +22,7 @@ from service.heap import keep_freed_memory
 from service.settings import ServiceSettings
 
 from .app import create_app
+from .gathered_writes import GatheredWritesProtocol
 from .lifecycle import Lifecycle
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -57,6 +58,7 @@ class _Server(uvicorn.Server):
 def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
+        http=GatheredWritesProtocol if settings.http_gather_writes else "auto",
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
