@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/http-overhead-<date>.json)")
     args = parser.parse_args(argv)
-    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi"))
+    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "httptools", "uvloop", "fastapi"))
     model = light_model()
     sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)

@@ -98,7 +98,9 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
 thread per engine in the engine process, ``service_workers_no_balance`` without connection balancing,
 ``service_bucket_copy`` / ``service_workers_bucket_copy`` with ORT's whole-bucket host-to-device copies instead
 of the engine's row copies): the settings each one changes."""
-PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httpx", "orjson")
+# httptools and uvloop: uvicorn falls back to its pure-Python parser and asyncio's loop without them
+PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httptools", "uvloop", "httpx",
+            "orjson")
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -849,7 +851,11 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     # The store is filled (demo model optimized, tuned) by a first server start; later starts reuse it.
     print("preparing the model store", flush=True)
     with running(service_server("service_prepare", model_dir, device, logs), args.ready_timeout) as srv:
-        meta = httpx.get(f"{srv.url}/v2/models/{DEMO_MODEL}", timeout=10).json()
+        reply = httpx.get(f"{srv.url}/v2/models/{DEMO_MODEL}", timeout=10)
+        meta = reply.json()
+        if reply.status_code != 200 or "inputs" not in meta:
+            raise RuntimeError(f"the demo model is not served ({reply.status_code} {reply.text[:300]}); "
+                               f"server log:\n{srv.log_tail(80)}")
     input_meta, output_meta = meta["inputs"][0], meta["outputs"][0]
     per_sample_out = math.prod(d for d in output_meta["shape"][1:])
 
