@@ -17,6 +17,10 @@ parts=" ${*:-all} "
 want() { [[ $parts == *" $1 "* ]] || { [[ $parts == *" all "* ]] && [ "${2:-}" != only ]; }; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
 nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
+# uvicorn[standard]'s parser: ../shared/gpu/stage fetches plain uvicorn, so stage with `../shared/gpu/stage httptools`
+python3 -c 'import httptools' 2>/dev/null \
+  || echo "WARNING: httptools missing: uvicorn falls back to its pure-Python parser (h11); service figures will be low" \
+  | tee -a "$OUT/gpu.txt"
 if want probe; then
   timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
     --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
