@@ -285,21 +285,17 @@ class ModelVersion:
             raise ModelNotReadyError(f"model {self.name!r} version {self.version} is {state}")
         wanted = self._requested_outputs(outputs)
         self.validate_inputs(inputs)
-        try:
-            result = await batcher.submit(inputs, alone=alone)
-        finally:
-            self._report_depth()
+        result = await batcher.submit(inputs, alone=alone)
         chosen = result.outputs if wanted is None else {k: result.outputs[k] for k in wanted}
         return InferenceResult(chosen, result.queue_s, result.compute_s, result.batch_size)
 
-    def _report_depth(self) -> None:
-        if self._metrics is not None and self._batcher is not None:
-            self._metrics.set_queue_depth(self.name, self.version, self._batcher.queue_depth)
+    def _on_depth(self, depth: int) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self.name, self.version, depth)
 
     def _on_batch(self, batch_size: int, _queue_s: float, compute_s: float) -> None:
         if self._metrics is not None:
             self._metrics.observe_batch(self.name, self.version, batch_size, compute_s)
-        self._report_depth()
 
     # ------------------------------------------------------------------ lifecycle (registry only)
 
@@ -322,7 +318,9 @@ class ModelVersion:
             inline_max_s=self.config.inline_max_s,
             in_flight=int(getattr(engine, "max_concurrent_calls", 1)),
             engine_seconds=getattr(engine, "engine_seconds", None),
+            on_depth=self._on_depth,
         )
+        self._on_depth(0)  # the series exists from the start
         self._batcher.start()
         warm = self._warmup_inputs()
         if warm is not None:

@@ -99,6 +99,7 @@ class Batcher:
         inline_max_s: float = 0.0,
         in_flight: int = 1,
         engine_seconds: Callable[[], float | None] | None = None,
+        on_depth: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0 or inline_max_s < 0:
             raise ValueError(
@@ -136,6 +137,7 @@ class Batcher:
         # An engine in another process (RemoteEngine) tells its own time: the round trip would put a
         # model near the limit on the far side of it, and its lone requests through the hand-over.
         self._engine_seconds = engine_seconds
+        self._on_depth = on_depth  # told the queue depth whenever it changes (the metrics gauge)
 
     # ------------------------------------------------------------------ public API
 
@@ -192,7 +194,7 @@ class Batcher:
             future=asyncio.get_running_loop().create_future(),
         )
         self._pending[request.rid] = request
-        self._depth += n
+        self._change_depth(n)
         self._wakeup.set()
         try:
             return await asyncio.wait_for(request.future, timeout=self.timeout_s)
@@ -288,7 +290,15 @@ class Batcher:
     def _uncount(self, request: _Request) -> None:
         if request.counted:
             request.counted = False
-            self._depth -= request.n
+            self._change_depth(-request.n)
+
+    def _change_depth(self, delta: int) -> None:
+        self._depth += delta
+        if self._on_depth is not None:
+            try:
+                self._on_depth(self._depth)
+            except Exception:
+                log.exception("batcher %s: on_depth callback failed", self.name)
 
     def _fail_pending(self, exc: ServiceError) -> None:
         for request in list(self._pending.values()):

@@ -178,6 +178,18 @@ def test_requests_within_the_delay_share_a_batch_and_a_full_batch_does_not_wait(
     assert full_elapsed < 0.5, "a full batch must run without waiting for max_delay"
 
 
+def test_every_depth_change_is_reported():
+    async def main():
+        seen: list[int] = []
+        batcher = make(FakeEngine(), max_batch_size=8, max_delay_s=0.05, queue_size=16, on_depth=seen.append)
+        batcher.start()
+        await asyncio.gather(batcher.submit(rows(1.0, 2)), batcher.submit(rows(2.0, 3)))
+        await batcher.stop()
+        return seen
+
+    assert asyncio.run(main()) == [2, 5, 3, 0]  # queued 2 then 3 more; both handed to the engine together
+
+
 def test_queue_full_is_immediate_and_counts_samples():
     async def main():
         engine = FakeEngine(blocking=True)

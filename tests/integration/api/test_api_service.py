@@ -86,6 +86,28 @@ async def test_metrics_record_requests_batches_and_models(
     assert _metric(text, "service_loaded_models") == 1
 
 
+async def test_queue_depth_shows_a_request_waiting_in_its_batch_window(
+    fresh: httpx.AsyncClient, tiny_bytes: bytes
+) -> None:
+    await upload(fresh, "w", tiny_bytes, config={"max_delay_ms": 600, "max_batch_size": 8})
+    text = (await fresh.get("/metrics")).text
+    assert _metric(text, "service_queue_depth", model="w", version="1") == 0  # the series exists once loaded
+    waiting = asyncio.ensure_future(
+        fresh.post("/predict", json={"model": "w", "inputs": {"input": sample(3).tolist()}})
+    )
+    depth = None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not waiting.done():
+        depth = _metric((await fresh.get("/metrics")).text, "service_queue_depth", model="w", version="1")
+        if depth:
+            break
+        await asyncio.sleep(0.01)
+    assert depth == 3  # its 3 samples wait in the 600 ms window
+    assert (await waiting).status_code == 200
+    text = (await fresh.get("/metrics")).text
+    assert _metric(text, "service_queue_depth", model="w", version="1") == 0
+
+
 async def test_two_apps_in_one_process_keep_separate_metrics(tmp_path: Path) -> None:
     a, b = Metrics(), Metrics()
     a.observe_request("x", "predict", "success", 0.01)
