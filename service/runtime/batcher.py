@@ -469,9 +469,8 @@ class Batcher:
         if len(inputs) == 1:
             started = time.perf_counter()
             outputs = self._run_batch(inputs[0])
-            took = time.perf_counter() - started
             own = self._engine_seconds() if self._engine_seconds is not None else None
-            self._lone_run_s[sizes[0]] = took if own is None else own
+            self._lone_run_s[sizes[0]] = own if own is not None else time.perf_counter() - started
         elif self._run_parts is not None:
             outputs = self._run_parts(inputs)
         else:

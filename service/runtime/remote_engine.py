@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import pickle
 import queue
 import selectors
 import threading
@@ -25,7 +24,7 @@ import numpy as np
 
 from service import errors
 from service.errors import EngineError, InvalidInputError, ServiceError
-from service.runtime.engine_host import HostAddress, LoadRequest
+from service.runtime.engine_host import HostAddress, LoadRequest, send_message
 from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
 from service.settings import EngineSettings
 
@@ -119,13 +118,12 @@ class RemoteEngine:
         # (about 20 us of a ~45 us pipe round trip on the CPU machine)
         self._selector = selectors.DefaultSelector()
         self._selector.register(conn, selectors.EVENT_READ)
-        self.last_engine_s: float | None = None
-        """How long the engine process's engine call for the last batch took (the hop not counted)."""
+        self._last_engine_s: float | None = None
 
     def engine_seconds(self) -> float | None:
         """The last batch's time in the engine itself: what the batcher's inline rule compares (the
         engine's time, as for an engine in process, not the round trip through the engine process)."""
-        return self.last_engine_s
+        return self._last_engine_s
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -148,15 +146,14 @@ class RemoteEngine:
             reply = self._call(("run", str(buffer.path), layout, rows))
             if reply[0] != "ok":
                 raise rebuild_error(reply[1], reply[2])
-            _, path, out_layout, self.last_engine_s = reply
+            _, path, out_layout, self._last_engine_s = reply
             return self._out.get(path).views(out_layout)
         finally:
             self._guard.release()
 
     def _call(self, message: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
-            self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))  # Connection.send's
-            # ForkingPickler copies the reducer table on every call (6 against 1.5 us here)
+            send_message(self._conn, message)
             if not self._selector.select(RUN_TIMEOUT_S):
                 self._give_up()
                 raise EngineError(f"the engine process did not answer within {RUN_TIMEOUT_S:g} s")
@@ -211,11 +208,11 @@ class RemoteEnginePool:
         self._idle: queue.SimpleQueue[RemoteEngine] = queue.SimpleQueue()
         for engine in engines:
             self._idle.put(engine)
-        self.last_engine_s: float | None = None
+        self._last_engine_s: float | None = None
 
     def engine_seconds(self) -> float | None:
         """See ``RemoteEngine.engine_seconds`` (the last call's, whichever connection made it)."""
-        return self.last_engine_s
+        return self._last_engine_s
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -224,7 +221,7 @@ class RemoteEnginePool:
         engine = self._idle.get()
         try:
             outputs = {name: value.copy() for name, value in engine.run_parts(parts).items()}
-            self.last_engine_s = engine.last_engine_s
+            self._last_engine_s = engine.engine_seconds()
             return outputs
         finally:
             self._idle.put(engine)

@@ -190,6 +190,21 @@ def test_every_depth_change_is_reported():
     assert asyncio.run(main()) == [2, 5, 3, 0]  # queued 2 then 3 more; both handed to the engine together
 
 
+def test_a_failing_depth_callback_does_not_fail_requests(caplog):
+    def broken(_depth: int) -> None:
+        raise RuntimeError("metrics down")
+
+    async def main():
+        batcher = make(FakeEngine(), max_batch_size=8, max_delay_s=0.0, queue_size=16, on_depth=broken)
+        batcher.start()
+        result = await batcher.submit(rows(4.0, 2))
+        await batcher.stop()
+        return result
+
+    check_own(asyncio.run(main()), rows(4.0, 2))
+    assert "on_depth callback failed" in caplog.text
+
+
 def test_queue_full_is_immediate_and_counts_samples():
     async def main():
         engine = FakeEngine(blocking=True)

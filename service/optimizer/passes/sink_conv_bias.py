@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._conv import ConvParams, conv_params, replace_weight_bias
 from service.optimizer.passes._match import DEFAULT_DOMAINS, is_graph_output, taken_names
-from service.optimizer.passes._shapes import ensure_types
+from service.optimizer.passes._shapes import ensure_types, tensor_dtype
 
 _PASS_THROUGH = ("Add", "GlobalAveragePool")
 
@@ -120,7 +120,8 @@ def _passes_offset(node: gs.Node, offsets: dict[int, np.ndarray], channels: int)
     if out_shape is None or len(out_shape) < 2 or out_shape[1] != channels:
         return False
     return all(
-        t.shape is not None and len(t.shape) == len(out_shape) and t.shape[1] == channels and _is_float(t)
+        t.shape is not None and len(t.shape) == len(out_shape) and t.shape[1] == channels
+        and (dtype := tensor_dtype(t)) is not None and dtype.kind == "f"
         for t in node.inputs if id(t) in offsets
     )
 
@@ -154,9 +155,3 @@ def _fold(params: ConvParams, offset: np.ndarray) -> np.ndarray:
     per_group = summed.reshape(group, weight.shape[0] // group, weight.shape[1])
     return np.einsum("gmc,gc->gm", per_group, offset.reshape(group, weight.shape[1])).reshape(-1)
 
-
-def _is_float(tensor: gs.Tensor) -> bool:
-    try:
-        return tensor.dtype is not None and np.dtype(tensor.dtype).kind == "f"
-    except TypeError:
-        return False

@@ -31,6 +31,13 @@ def _conv(kit, name, data, output, **attrs):
     return kit.node("Conv", [data, f"w_{name}", f"b_{name}"], [output], **attrs)
 
 
+def _apply(kit, nodes, inits, y_shape):
+    """The graph x -> nodes -> y, and the pass applied to it: (model, rewrites, optimized)."""
+    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", y_shape)], inits)
+    count, optimized = kit.apply(model, sink_conv_bias)
+    return model, count, optimized
+
+
 def test_bias_moves_through_a_residual_add_into_the_next_1x1_conv(kit):
     # a: the projection conv; its output and a second branch join in a residual Add read by a 1x1 conv.
     nodes = [
@@ -40,8 +47,7 @@ def test_bias_moves_through_a_residual_add_into_the_next_1x1_conv(kit):
         _conv(kit, "next", "s", "y"),
     ]
     inits = _inits(kit, ("a", (C, 4, 1, 1)), ("side", (C, 4, 3, 3)), ("next", (3, C, 1, 1)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, 6, 6])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 3, 6, 6])
     # the side conv's bias reaches the same Add: both move into "next"
     assert count == 2
     assert _biases(optimized) == {"Conv_ya": False, "Conv_ys": False, "Conv_y": True}
@@ -59,8 +65,7 @@ def test_a_chain_of_residual_blocks_moves_every_projection_bias(kit):
         _conv(kit, "e3", "s2", "y"),
     ]
     inits = _inits(kit, ("p1", (C, 4, 1, 1)), ("e2", (7, C, 1, 1)), ("p2", (C, 7, 1, 1)), ("e3", (2, C, 1, 1)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 2, 6, 6])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 2, 6, 6])
     assert count == 2
     assert _biases(optimized) == {"Conv_y1": False, "Conv_h2": True, "Conv_y2": False, "Conv_y": True}
     kit.verify(model, optimized)
@@ -80,8 +85,7 @@ def test_a_reader_conv_must_not_pad(kit, kernel, attrs, moves):
     reader = kit.node("Conv", ["ya", "w_r", "b_r"], ["y"], **attrs)
     nodes = [_conv(kit, "a", "x", "ya"), reader]
     inits = _inits(kit, ("a", (C, 4, 1, 1)), ("r", (3, C, *kernel)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, None, None])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 3, None, None])
     assert count == (1 if moves else 0)
     kit.verify(model, optimized)
 
@@ -89,8 +93,7 @@ def test_a_reader_conv_must_not_pad(kit, kernel, attrs, moves):
 def test_grouped_reader_folds_each_group_separately(kit):
     nodes = [_conv(kit, "a", "x", "ya"), kit.node("Conv", ["ya", "w_g", "b_g"], ["y"], group=2)]
     inits = _inits(kit, ("a", (6, 4, 1, 1)), ("g", (4, 3, 3, 3)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 4, 4, 4])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 4, 4, 4])
     assert count == 1
     kit.verify(model, optimized)
 
@@ -98,8 +101,7 @@ def test_grouped_reader_folds_each_group_separately(kit):
 def test_depthwise_reader_without_padding(kit):
     nodes = [_conv(kit, "a", "x", "ya"), kit.node("Conv", ["ya", "w_d", "b_d"], ["y"], group=C)]
     inits = _inits(kit, ("a", (C, 4, 1, 1)), ("d", (C, 1, 3, 3)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", C, 4, 4])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", C, 4, 4])
     assert count == 1
     kit.verify(model, optimized)
 
@@ -111,8 +113,7 @@ def test_bias_moves_through_global_average_pool(kit):
         _conv(kit, "fc", "p", "y"),
     ]
     inits = _inits(kit, ("a", (C, 4, 3, 3)), ("fc", (3, C, 1, 1)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, 1, 1])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 3, 1, 1])
     assert count == 1
     kit.verify(model, optimized)
 
@@ -120,8 +121,7 @@ def test_bias_moves_through_global_average_pool(kit):
 def test_a_tensor_added_to_itself_carries_the_bias_twice(kit):
     nodes = [_conv(kit, "a", "x", "ya"), kit.node("Add", ["ya", "ya"], ["s"]), _conv(kit, "r", "s", "y")]
     inits = _inits(kit, ("a", (C, 4, 1, 1)), ("r", (3, C, 1, 1)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, 6, 6])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 3, 6, 6])
     assert count == 1
     kit.verify(model, optimized)
 
@@ -136,8 +136,7 @@ def test_add_broadcasting_the_conv_output_keeps_its_channels(kit):
         _conv(kit, "r", "s", "y"),
     ]
     inits = _inits(kit, ("a", (C, 4, 1, 1)), ("m", (C, 4, 3, 3)), ("r", (3, C, 1, 1)))
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, 6, 6])], inits)
-    count, optimized = kit.apply(model, sink_conv_bias)
+    model, count, optimized = _apply(kit, nodes, inits, ["N", 3, 6, 6])
     assert count == 2
     kit.verify(model, optimized)
 
@@ -145,8 +144,7 @@ def test_add_broadcasting_the_conv_output_keeps_its_channels(kit):
 @pytest.mark.parametrize("reader", ["Relu", "Sigmoid"])
 def test_a_nonlinear_reader_keeps_the_bias(kit, reader):
     nodes = [_conv(kit, "a", "x", "ya"), kit.node(reader, ["ya"], ["y"])]
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", C, 6, 6])], _inits(kit, ("a", (C, 4, 1, 1))))
-    count, _ = kit.apply(model, sink_conv_bias)
+    _, count, _ = _apply(kit, nodes, _inits(kit, ("a", (C, 4, 1, 1))), ["N", C, 6, 6])
     assert count == 0
 
 
@@ -189,8 +187,7 @@ def test_the_offset_as_a_readers_weight_keeps_the_bias(kit):
 def test_a_conv_without_bias_is_left_alone(kit):
     nodes = [kit.node("Conv", ["x", "w_a"], ["ya"]), _conv(kit, "r", "ya", "y")]
     inits = [kit.init("w_a", kit.weights(C, 4, 1, 1)), *_inits(kit, ("r", (3, C, 1, 1)))]
-    model = kit.model(nodes, [kit.inp("x", X)], [kit.out("y", ["N", 3, 6, 6])], inits)
-    count, _ = kit.apply(model, sink_conv_bias)
+    _, count, _ = _apply(kit, nodes, inits, ["N", 3, 6, 6])
     assert count == 0
 
 
