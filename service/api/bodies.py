@@ -54,6 +54,8 @@ async def read_body(request: Request, limit: int, what: str = "request body") ->
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
+        if not chunk:  # Starlette ends every stream with b"": joining it would copy the whole body once more
+            continue
         total += len(chunk)
         if total > limit:
             raise _too_large(limit, what)

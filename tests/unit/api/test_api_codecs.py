@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import io
 import zlib
@@ -286,3 +287,31 @@ def test_inflate_refuses_truncated_and_garbage() -> None:
         bodies._inflate(gzip.compress(b"x" * 1000)[:-12], 10_000, "body")
     with pytest.raises(BadRequestError, match="not valid"):
         bodies._inflate(b"plain text", 10_000, "body")
+
+
+# ------------------------------------------------------------------ reading bodies
+def _read(messages: list[dict], limit: int = 1 << 20, headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
+    """``bodies.read_body`` on a real Starlette request fed ``messages``, as uvicorn would."""
+    from starlette.requests import Request
+
+    pending = iter(messages)
+
+    async def receive() -> dict:
+        return next(pending)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers or [], "query_string": b""}
+    return asyncio.run(bodies.read_body(Request(scope, receive), limit))
+
+
+def test_read_body_hands_over_a_single_chunk_without_copying_it() -> None:
+    chunk = bytes(range(256)) * 4096  # 1 MiB: a copy would be a different object
+    body = _read([{"type": "http.request", "body": chunk, "more_body": False}], limit=len(chunk))
+    assert body is chunk
+
+
+def test_read_body_joins_chunks_in_order_and_counts_them_against_the_limit() -> None:
+    parts = [b"a" * 10, b"", b"b" * 5, b"c" * 7]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+    assert _read(messages, limit=22) == b"".join(parts)
+    with pytest.raises(PayloadTooLargeError):
+        _read([{**m} for m in messages], limit=21)
