@@ -3,7 +3,7 @@
 # setup calls), one or more parts per call:
 #   bench/gpu_session.sh PART [PART...]   PART: probe|hostcopy|tuner|engine|service|tests|bisect|floor|sharing|census|all
 # Several parts in one call run in the order above (one call saves the machine's idle time between calls).
-# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, WORKERS,
+# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, CONCURRENCY, WORKERS,
 # TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py), CENSUS_ARGS (bench/kernel_census.py, e.g. "--models mnv3"),
 # FLOOR_ARGS (bench/http_overhead.py, e.g. "--variants service,floor_raw").
 # Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
@@ -42,7 +42,7 @@ if want service; then
   timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
     --client "${CLIENT:-raw}" --client-procs "${CLIENT_PROCS:-4}" \
     --servers "${SERVERS:-client_ceiling,service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
-    --series "${SERIES:-binary,json}" --concurrency 1,8,32,64 --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
+    --series "${SERIES:-binary,json}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
 fi
 if want tests; then
   timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15

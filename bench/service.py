@@ -480,6 +480,38 @@ def batch_counters(url: str) -> BatchCounters | None:
     return None
 
 
+_TIMING_METRIC = re.compile(
+    r"^service_(request|queue|compute)_duration_seconds_(sum|count)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)\s*$"
+)
+
+
+def server_timing(url: str) -> dict[str, list[float]] | None:
+    """The server's own latency histograms so far, as [sum_s, count] per part: ``request`` (KServe infer,
+    read to reply), ``queue`` and ``compute`` (summed over models and workers); None if unreadable."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, list[float]] = {"request": [0.0, 0.0], "queue": [0.0, 0.0], "compute": [0.0, 0.0]}
+    for line in text.splitlines():
+        match = _TIMING_METRIC.match(line)
+        if not match or (match.group(1) == "request" and 'endpoint="v2_infer"' not in (match.group(3) or "")):
+            continue
+        totals[match.group(1)][0 if match.group(2) == "sum" else 1] += float(match.group(4))
+    return totals
+
+
+def server_means_ms(before: dict[str, list[float]] | None, after: dict[str, list[float]] | None) -> dict | None:
+    """Mean ms per request of each part between two ``server_timing`` snapshots."""
+    if not before or not after:
+        return None
+    means = {}
+    for part, (total, count) in after.items():
+        calls = count - before[part][1]
+        means[part] = (total - before[part][0]) / calls * 1e3 if calls > 0 else None
+    return means
+
+
 # ------------------------------------------------------------------------------------------ engine
 @dataclass
 class EngineTable:
@@ -634,7 +666,9 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
     with running(server, args.ready_timeout):
         for payload in payloads:
             if server.name.startswith("service") and payload.series == "binary":
+                timing_before = server_timing(server.url)
                 times = single_request_latency(server.url, payload)
+                server_ms = server_means_ms(timing_before, server_timing(server.url))
                 rows.append(
                     {
                         "server": server.name,
@@ -646,11 +680,16 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
                         "mean_batch": 1.0,
                         "errors": 0,
                         "engine_fraction": None,
+                        # where a lone request's time goes: the client's mean against the server's own
+                        # means (request: from the handler's start to its reply; queue; compute)
+                        "mean_ms": float(np.mean(times)),
+                        "server_mean_ms": server_ms,
                     }
                 )
                 print(
                     f"  {server.name:15s} binary one request at a time (blocking client): "
-                    f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms",
+                    f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms mean {rows[-1]['mean_ms']:.3f}"
+                    f" ms; server means {_fmt_parts(server_ms)}",
                     flush=True,
                 )
         for payload in payloads:
@@ -677,6 +716,12 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
                     flush=True,
                 )
     return rows
+
+
+def _fmt_parts(parts: dict[str, float | None] | None) -> str:
+    if not parts:
+        return "-"
+    return ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in parts.items())
 
 
 def _fmt(value: float | None) -> str:

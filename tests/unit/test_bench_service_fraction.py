@@ -64,3 +64,24 @@ def test_fixed_wait_gpu_times_follow_the_table() -> None:
     assert engine_process_overhead.gpu_ms(1, table) == 1.0
     assert engine_process_overhead.gpu_ms(3, table) == pytest.approx(1.75)
     assert engine_process_overhead.gpu_ms(8, table) == pytest.approx(4.0)  # above the table: per sample
+
+
+def test_server_timing_reads_the_services_own_histograms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import generate_latest
+
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    monkeypatch.setattr(service_bench.httpx, "get",
+                        lambda url, timeout: httpx.Response(200, text=generate_latest(metrics.registry).decode()))
+    before = service_bench.server_timing("http://test")
+    metrics.observe_request("m", "v2_infer", "success", 0.004, 0.001, 0.002)
+    metrics.observe_request("m", "v2_infer", "success", 0.002, 0.0, 0.001)
+    metrics.observe_request("m", "predict", "success", 9.0, 0.0, 0.003)  # not KServe: not a request here
+    metrics.observe_request("m", "v2_infer", "invalid_input", 5.0)  # failures carry no latency
+    means = service_bench.server_means_ms(before, service_bench.server_timing("http://test"))
+    assert means is not None
+    assert means["request"] == pytest.approx(3.0)
+    assert means["queue"] == pytest.approx(1.0 / 3)
+    assert means["compute"] == pytest.approx(2.0)
+    assert service_bench.server_means_ms(None, before) is None
