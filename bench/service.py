@@ -522,6 +522,8 @@ class EngineTable:
     run_ms: dict[int, float]
     run_p99_ms: dict[int, float]
     bound_ms_b1: float | None
+    idle_ms_b1: dict[str, float] | None = None
+    """Engine.run at batch 1 when calls do not follow back to back (``idle_gaps``)."""
 
     def latency_at(self, batch: float) -> float:
         """Engine.run time at a (possibly fractional, mean) batch size: linear between measured sizes."""
@@ -592,6 +594,49 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
     return engine
 
 
+IDLE_GAP_S = 0.001
+"""About what a lone request spends outside the engine between two engine calls."""
+
+
+def idle_gaps(engine: Any, max_s: float, gap_s: float = IDLE_GAP_S, runs: int = 300) -> dict[str, float]:
+    """Engine.run medians (ms) at batch 1 with a pause before each call, as between lone requests:
+    ``sleep`` (the thread sleeps: the CPU core and the GPU idle), ``spin`` (the thread busy-waits: only
+    the GPU idles) and ``sleep_fresh_inputs`` (sleeps, and each call gets another of 16 input arrays, as
+    each request brings a new body). Back to back (``run_ms``) is the engine's best case; these tell how
+    much of a lone request's extra compute time comes from idling in between."""
+    from service.runtime.engine import random_feeds
+
+    rng = np.random.default_rng(7)
+    fresh = [random_feeds(engine.inputs, 1, rng) for _ in range(16)]
+
+    def timed(pause: Callable[[], None], feeds: Callable[[int], dict[str, np.ndarray]]) -> float:
+        times = []
+        deadline = time.perf_counter() + max_s / 4
+        for index in range(runs):
+            pause()
+            started = time.perf_counter()
+            engine.run(feeds(index))
+            times.append((time.perf_counter() - started) * 1e3)
+            if index >= 10 and time.perf_counter() > deadline:
+                break
+        return common.median(times)
+
+    def spin() -> None:
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:
+            pass
+
+    def sleep() -> None:
+        time.sleep(gap_s)
+
+    return {
+        "sleep": timed(sleep, lambda i: fresh[0]),
+        "spin": timed(spin, lambda i: fresh[0]),
+        "sleep_fresh_inputs": timed(sleep, lambda i: fresh[i % len(fresh)]),
+        "back_to_back": timed(lambda: None, lambda i: fresh[0]),
+    }
+
+
 def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: float) -> EngineTable:
     """Time Engine.run (host arrays in and out, as the batcher calls it) per batch size, in-process."""
     from service.runtime.engine import random_feeds
@@ -606,7 +651,9 @@ def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: 
             run_p99[batch] = common.percentile(times, 99)
             print(f"  engine batch {batch:3d}: {run_ms[batch]:8.3f} ms  ({batch / run_ms[batch] * 1e3:9.1f}/s)")
         bound = engine.time_batch(1, runs=300, max_s=max_s)
-        return EngineTable(engine.provider, engine.describe(), run_ms, run_p99, bound)
+        idle = idle_gaps(engine, max_s)
+        print("  engine batch   1 after idle gaps: " + ", ".join(f"{k} {v:.3f} ms" for k, v in idle.items()))
+        return EngineTable(engine.provider, engine.describe(), run_ms, run_p99, bound, idle)
     finally:
         engine.close()
         del engine
@@ -966,6 +1013,8 @@ def _write(
             "run_ms": eng.run_ms,
             "run_p99_ms": eng.run_p99_ms,
             "bound_ms_b1": eng.bound_ms_b1,
+            "idle_ms_b1": eng.idle_ms_b1,
+            "idle_gap_ms": IDLE_GAP_S * 1e3,
             "throughput": {b: b / ms * 1e3 for b, ms in eng.run_ms.items()},
             "describe": eng.describe,
         },
