@@ -32,7 +32,10 @@ import copy
 import dataclasses
 import itertools
 import logging
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -138,6 +141,7 @@ class Batcher:
         # model near the limit on the far side of it, and its lone requests through the hand-over.
         self._engine_seconds = engine_seconds
         self._on_depth = on_depth  # told the queue depth whenever it changes (the metrics gauge)
+        self._engine_threads: set[int] = set()  # the executor's threads that have run an engine call
 
     # ------------------------------------------------------------------ public API
 
@@ -268,7 +272,8 @@ class Batcher:
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout=remaining)
         except TimeoutError:
-            log.warning("batcher %s: engine still busy; it is closed when its call ends", self.name)
+            log.warning("batcher %s: engine still busy; it is closed when its call ends%s", self.name,
+                        self._engine_stacks())
         except Exception:
             log.exception("batcher %s: finalizing the engine failed", self.name)
 
@@ -440,8 +445,10 @@ class Batcher:
         total = sum(r.n for r in live)
         started = time.monotonic()
         self._executing += 1
+        loop = asyncio.get_running_loop()
+        watchdog = loop.call_later(self.timeout_s, self._report_stuck_call, started)
         try:
-            split = await asyncio.get_running_loop().run_in_executor(
+            split = await loop.run_in_executor(
                 self._executor, self._compute, [r.inputs for r in live], [r.n for r in live]
             )
         except asyncio.CancelledError:
@@ -455,17 +462,38 @@ class Batcher:
             return
         finally:
             self._executing -= 1
+            watchdog.cancel()
         compute_s = time.monotonic() - started
         for request, outputs in zip(live, split, strict=True):
             if not request.future.done():
                 request.future.set_result(BatchResult(outputs, started - request.enqueued, compute_s, total))
         self._report_batch(total, started - min(r.enqueued for r in live), compute_s)
 
+    def _report_stuck_call(self, started: float) -> None:
+        """An engine call has outlived the request timeout: its callers have been answered with a timeout,
+        but the call cannot be interrupted. Log where the engine threads are, once per such call, so that
+        a hang (in the device driver, or a lock) can be told from a slow call after the fact."""
+        log.error(
+            "batcher %s: an engine call has been running for %.1f s (request timeout %g s)%s",
+            self.name, time.monotonic() - started, self.timeout_s, self._engine_stacks(),
+        )
+
+    def _engine_stacks(self) -> str:
+        """Where the threads that have run engine calls are now (for a log line), or "" if none lives."""
+        frames = sys._current_frames()
+        stacks = [
+            f"engine thread {ident}:\n" + "".join(traceback.format_stack(frames[ident]))
+            for ident in sorted(self._engine_threads)
+            if ident in frames
+        ]
+        return ":\n" + "\n".join(stacks) if stacks else ""
+
     # ------------------------------------------------------------------ the engine thread
 
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
         """Runs on the engine thread (or inline, see ``submit``): concatenate, run once, split back (copies,
         never views). A lone request's engine time is kept per sample count for the inline decision."""
+        self._engine_threads.add(threading.get_ident())
         if len(inputs) == 1:
             started = time.perf_counter()
             outputs = self._run_batch(inputs[0])

@@ -282,6 +282,29 @@ def test_expired_request_times_out_and_is_never_run():
     assert ok.outputs["y"][0, 0] == 10
 
 
+def test_an_engine_call_past_the_timeout_logs_where_the_engine_thread_is(caplog):
+    async def main():
+        engine = FakeEngine(blocking=True)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0, timeout_s=0.2)
+        batcher.start()
+        with caplog.at_level("ERROR", logger="service.runtime.batcher"):
+            with pytest.raises(RequestTimeoutError):
+                await batcher.submit(rows(1, 1))
+            await asyncio.sleep(0.1)  # the watchdog fires at the timeout, after the caller's own timeout
+            engine.release.set()
+            quick = await batcher.submit(rows(2, 1))  # a call that ends in time logs nothing more
+            await asyncio.sleep(0.3)
+        await batcher.stop()
+        return quick
+
+    quick = asyncio.run(main())
+    assert quick.outputs["y"][0, 0] == 7
+    stuck = [r for r in caplog.records if "engine call has been running" in r.getMessage()]
+    assert len(stuck) == 1
+    message = stuck[0].getMessage()
+    assert "engine thread" in message and "in __call__" in message and "self.release.wait" in message
+
+
 def test_cancelled_caller_frees_its_slot_and_does_not_break_the_batch():
     async def main():
         engine = FakeEngine(blocking=True)
@@ -413,7 +436,7 @@ def test_on_batch_reports_sizes_and_invalid_batches_are_refused():
     assert "limit of 10" in errors[2].message
 
 
-def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running_call():
+def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running_call(caplog):
     events: list[str] = []
 
     async def main():
@@ -430,7 +453,8 @@ def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running
         tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(2)]
         await asyncio.to_thread(engine.started.wait, 5)
         t0 = time.monotonic()
-        await batcher.stop(drain=True, timeout_s=0.2, finalize=lambda: events.append("finalized"))
+        with caplog.at_level("WARNING", logger="service.runtime.batcher"):
+            await batcher.stop(drain=True, timeout_s=0.2, finalize=lambda: events.append("finalized"))
         stop_s = time.monotonic() - t0
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         before_release = list(events)
@@ -446,6 +470,8 @@ def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running
     assert all(isinstance(o, ShuttingDownError) for o in outcomes)
     assert before_release == []  # the engine was not finalized under the running call
     assert events == ["call ended", "finalized"]
+    busy = [r.getMessage() for r in caplog.records if "engine still busy" in r.getMessage()]
+    assert len(busy) == 1 and "self.release.wait" in busy[0]  # where the stuck call is
 
 
 def test_several_requests_go_to_run_parts_when_given() -> None:
