@@ -78,8 +78,6 @@ SERIES_OF = {
     "service_heap_default": ("binary",),
     "service_no_inline": ("binary",),
     "service_body_64k": ("binary", "binary_b*"),
-    "service_busy_poll": ("binary",),
-    "service_workers_busy_poll": ("binary",),
     "client_ceiling": ("binary",),
 }
 """Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the variants are
@@ -92,7 +90,6 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
     "service_no_inline": {"SERVICE_BATCHING__INLINE_MAX_MS": "0"},
     "service_no_spin": {"SERVICE_ENGINE__CPU_SPINNING": "false"},
     "service_body_64k": {"SERVICE_HTTP_BODY_BUFFER_KB": "64"},
-    "service_busy_poll": {"SERVICE_BUSY_POLL_US": "2000"},
     "service_bucket_copy": {"SERVICE_ENGINE__DIRECT_COPY": "false"},
 }
 """Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process;
@@ -882,9 +879,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "service_workers_bucket_copy (SERVICE_ENGINE__DIRECT_COPY=false: whole padded buckets through ORT), "
         "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
         "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
-        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_busy_poll and "
-        "service_workers_busy_poll (SERVICE_BUSY_POLL_US=2000: the event loop polls 2 ms after each request), "
-        "service_no_spin "
+        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
         "(SERVICE_ENGINE__CPU_SPINNING=false), client_ceiling "
         "(bench/raw_http_server.py: what the load generator can send)",
     )
@@ -973,8 +968,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
                    "service_workers_in_flight4": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "4"},
                    "service_workers_pipeline": {**workers, "SERVICE_ENGINE_PROCESS_PIPELINE": "true"},
                    "service_workers_no_balance": {**workers, "SERVICE_BALANCE_CONNECTIONS": "false"},
-                   "service_workers_bucket_copy": {**workers, "SERVICE_ENGINE__DIRECT_COPY": "false"},
-                   "service_workers_busy_poll": {**workers, **SERVICE_VARIANT_ENV["service_busy_poll"]}}
+                   "service_workers_bucket_copy": {**workers, "SERVICE_ENGINE__DIRECT_COPY": "false"}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
     out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"

@@ -185,15 +185,6 @@ class ServiceSettings(BaseSettings):
         description="Send each response's head and body with one socket write (the writes of one event-loop "
         "step are gathered; uvicorn itself writes them separately, which wakes a waiting client twice).",
     )
-    busy_poll_us: int = Field(
-        0,
-        ge=0,
-        le=100_000,
-        description="After each HTTP request, keep the event loop polling its sockets instead of sleeping for "
-        "this many microseconds (0: off). A server that sleeps between requests runs the next one on a cold "
-        "CPU core; this trades up to one busy core per server process, while requests keep coming, for "
-        "lower latency of requests that arrive one at a time.",
-    )
     gil_switch_interval_ms: float = Field(
         0.5,
         gt=0.0,

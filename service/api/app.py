@@ -17,7 +17,6 @@ from service.metrics import Metrics
 from service.settings import ServiceSettings
 
 from . import health, kserve, metrics_route, models, predict
-from .busy_poll import BusyPoll
 from .connection_balance import BalanceMiddleware
 from .error_handlers import install_error_handlers
 from .fast_path import InferFastPath
@@ -43,8 +42,6 @@ class ServiceApp(FastAPI):
     request, measured ad hoc in-process on the CPU machine (0.50 against 0.56 ms for a whole request).
     """
 
-    busy_poll: BusyPoll | None = None  # SERVICE_BUSY_POLL_US (service.api.busy_poll)
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """HTTP goes straight to the middleware stack, as Starlette does, past FastAPI's own layer: that
         layer checks on every request whether FastAPI's OpenTelemetry support is configured (this service
@@ -53,8 +50,6 @@ class ServiceApp(FastAPI):
         Everything else (the lifespan) takes FastAPI's path."""
         if scope["type"] == "http":
             await Starlette.__call__(self, scope, receive, send)
-            if self.busy_poll is not None:
-                self.busy_poll.touch()
         else:
             await super().__call__(scope, receive, send)
 
@@ -102,8 +97,6 @@ def create_app(
     if role.balancer is not None:
         role.balancer.on_close = metrics.rebalanced.inc
     app.state.inflight = InFlight()
-    if settings.busy_poll_us:
-        app.busy_poll = BusyPoll(settings.busy_poll_us / 1e6)
     install_error_handlers(app)
     for module in (health, predict, kserve, models, metrics_route):
         app.include_router(module.router)
