@@ -34,10 +34,12 @@ import numpy as np
 from service.errors import (
     BadRequestError,
     ConflictError,
+    EngineError,
     InvalidInputError,
     ModelNotReadyError,
     NotFoundError,
     OptimizationError,
+    RequestTimeoutError,
     ServiceError,
     ShuttingDownError,
     UnprocessableError,
@@ -324,7 +326,13 @@ class ModelVersion:
         self._batcher.start()
         warm = self._warmup_inputs()
         if warm is not None:
-            await self._batcher.submit(warm)
+            try:
+                await self._batcher.submit(warm)
+            except RequestTimeoutError:  # not the client's timeout: say what did not finish
+                raise EngineError(
+                    f"the warm-up run of {self.name!r} version {self.version} did not finish within "
+                    f"{self.config.timeout_s:g} s; the engine may be stuck (the server log says where)"
+                ) from None
         if self._batcher.inline_max_s > 0:
             # Lone requests may run on this (the event loop's) thread: a CUDA-graph engine captures its
             # graphs for a new thread on first use, so do it now rather than inside a request.

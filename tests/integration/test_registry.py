@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import builders
@@ -21,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from service import zoo
 from service.errors import (
     BadRequestError,
+    EngineError,
     InvalidInputError,
     InvalidModelError,
     ModelNotReadyError,
@@ -31,6 +33,7 @@ from service.errors import (
 )
 from service.model_config import ModelConfig
 from service.registry import ModelRegistry, ModelState
+from service.runtime.loading import load_in_process
 from service.settings import BatchingSettings, EngineSettings, OptimizerSettings, ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)
@@ -321,6 +324,39 @@ def test_optimizer_timeout_is_refused_cleanly(tmp_path):
     error = asyncio.run(main())
     assert "timed out" in error.message
     assert versions_on_disk(tmp_path, "slow") == [] and leftovers(tmp_path) == []
+
+
+def test_a_warm_up_that_outlives_the_timeout_refuses_the_upload_naming_the_warm_up(tmp_path):
+    """An engine whose first call hangs (as a CUDA engine's once did on the GPU host): the upload fails with an
+    engine error that says the warm-up did not finish, not a client timeout, and the version is removed."""
+    release = threading.Event()
+
+    def stuck_loader(*args, **kwargs):
+        engine, record = load_in_process(*args, **kwargs)
+        run = engine.run
+
+        def run_after_release(feeds):
+            release.wait(10)
+            return run(feeds)
+
+        engine.run = run_after_release
+        return engine, record
+
+    async def main():
+        settings = settings_for(tmp_path, batching=BatchingSettings(max_delay_ms=0, timeout_s=0.3))
+        registry = ModelRegistry(settings, engine_loader=stuck_loader)
+        await registry.start()
+        with pytest.raises(EngineError) as info:
+            await upload(registry, "stuck", conv_relu_model())
+        release.set()
+        names = registry.names()
+        await registry.stop(2)
+        return info.value, names
+
+    error, names = asyncio.run(main())
+    assert error.status == 500
+    assert "warm-up run of 'stuck' version 1 did not finish within 0.3 s" in error.message
+    assert names == [] and versions_on_disk(tmp_path, "stuck") == []
 
 
 def test_a_cancelled_upload_kills_its_optimizer_and_leaves_nothing(tmp_path):
