@@ -455,11 +455,18 @@ class BatchCounters:
         return ranges
 
 
+def _metrics_text(url: str) -> str | None:
+    """The server's /metrics page; None if it cannot be read."""
+    try:
+        return httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+
+
 def batch_counters(url: str) -> BatchCounters | None:
     """The server's /metrics batch-size histogram (summed over models and workers); None if absent."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
+    text = _metrics_text(url)
+    if text is None:
         return None
     totals = {name: BatchCounters(0.0, 0.0, {}) for name in _BATCH_HISTOGRAMS}
     for line in text.splitlines():
@@ -488,9 +495,8 @@ _TIMING_METRIC = re.compile(
 def server_timing(url: str) -> dict[str, list[float]] | None:
     """The server's own latency histograms so far, as [sum_s, count] per part: ``request`` (KServe infer,
     read to reply), ``queue`` and ``compute`` (summed over models and workers); None if unreadable."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
+    text = _metrics_text(url)
+    if text is None:
         return None
     totals: dict[str, list[float]] = {"request": [0.0, 0.0], "queue": [0.0, 0.0], "compute": [0.0, 0.0]}
     for line in text.splitlines():

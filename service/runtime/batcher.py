@@ -141,7 +141,7 @@ class Batcher:
         # model near the limit on the far side of it, and its lone requests through the hand-over.
         self._engine_seconds = engine_seconds
         self._on_depth = on_depth  # told the queue depth whenever it changes (the metrics gauge)
-        self._engine_threads: set[int] = set()  # the executor's threads that have run an engine call
+        self._engine_threads: set[int] = set()  # the executor's threads (for _engine_stacks)
 
     # ------------------------------------------------------------------ public API
 
@@ -161,7 +161,9 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.in_flight)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.in_flight, thread_name_prefix=f"engine-{self.name}"[:40]
+            max_workers=self.in_flight,
+            thread_name_prefix=f"engine-{self.name}"[:40],
+            initializer=lambda: self._engine_threads.add(threading.get_ident()),
         )
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
@@ -479,7 +481,7 @@ class Batcher:
         )
 
     def _engine_stacks(self) -> str:
-        """Where the threads that have run engine calls are now (for a log line), or "" if none lives."""
+        """Where the engine threads are now (for a log line), or "" if none lives."""
         frames = sys._current_frames()
         stacks = [
             f"engine thread {ident}:\n" + "".join(traceback.format_stack(frames[ident]))
@@ -493,7 +495,6 @@ class Batcher:
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
         """Runs on the engine thread (or inline, see ``submit``): concatenate, run once, split back (copies,
         never views). A lone request's engine time is kept per sample count for the inline decision."""
-        self._engine_threads.add(threading.get_ident())
         if len(inputs) == 1:
             started = time.perf_counter()
             outputs = self._run_batch(inputs[0])

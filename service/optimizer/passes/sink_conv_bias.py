@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._conv import ConvParams, conv_params, replace_weight_bias
 from service.optimizer.passes._match import DEFAULT_DOMAINS, is_graph_output, taken_names
-from service.optimizer.passes._shapes import ensure_types, tensor_dtype
+from service.optimizer.passes._shapes import ensure_types, needs_types, tensor_dtype
 
 _PASS_THROUGH = ("Add", "GlobalAveragePool")
 
@@ -39,14 +39,14 @@ def sink_conv_bias(graph: gs.Graph) -> int:
     candidates = [node for node in graph.nodes if _has_constant_bias(node)]
     if not candidates:
         return 0
-    if _unknown_shapes(graph):
+    if needs_types(t for node in graph.nodes if node.op in _PASS_THROUGH for t in (*node.inputs, *node.outputs)):
         ensure_types(graph)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     taken: set[str] | None = None
     moved = 0
     for conv in candidates:  # in graph (topological) order: a bias moved into a later conv may move on with it
         params = conv_params(conv, transpose_ok=False)
-        if params is None or len(conv.inputs) < 3:
+        if params is None:
             continue
         absorbers = _absorbers(graph, params, position)
         if absorbers is None:
@@ -63,11 +63,6 @@ def sink_conv_bias(graph: gs.Graph) -> int:
 def _has_constant_bias(node: gs.Node) -> bool:
     has_bias = len(node.inputs) == 3 and not node.inputs[2].is_empty()
     return node.op == "Conv" and node.domain in DEFAULT_DOMAINS and has_bias
-
-
-def _unknown_shapes(graph: gs.Graph) -> bool:
-    return any(node.op in _PASS_THROUGH and any(t.shape is None for t in (*node.inputs, *node.outputs))
-               for node in graph.nodes)
 
 
 def _absorbers(graph: gs.Graph, params: ConvParams, position: dict[int, int]) -> list[Absorber] | None:
