@@ -34,7 +34,7 @@ class Snapshot:
 
 
 def _is_engine_process(proc: Any) -> bool:
-    """The engine process is the one listening on the Unix socket ``engine.sock`` (service.api.workers)."""
+    """The engine process is the one listening on the Unix socket ``engine.sock`` (service.server.supervisor)."""
     try:
         return any(str(c.laddr).endswith("engine.sock") for c in proc.net_connections(kind="unix"))
     except (psutil.Error, OSError):

@@ -13,7 +13,7 @@ exporter (dynamo=False, opset 17, do_constant_folding=True, dynamic batch).
 Engines, at batch 1 and 64: torch_eager, torch_cudagraph (manual capture), torch_compile
 (mode="reduce-overhead"), ort_default (ORT_ENABLE_ALL, IO binding with device buffers, no CUDA graph),
 ours_fp32 and ours_fp16 (service.optimizer.optimize + Engine, the variant picked by
-service.runtime.autotune), ours_auto with ``--precisions ...,auto`` (precision "auto": possibly fp32 CUDA
+service.runtime.tuner), ours_auto with ``--precisions ...,auto`` (precision "auto": possibly fp32 CUDA
 graphs for small buckets and fp16 without graphs for large ones), and ours_fp32_hostio (our engine with
 numpy arrays in and out: the copies a server pays).
 
@@ -369,7 +369,7 @@ def compiled_runner(model: Any, name: str, batch: int, image: int) -> Runner:
 def _ort_settings(spec: dict[str, Any]) -> Any:
     """Our engines' settings; on the GPU, resolving the device first loads pip-installed CUDA libraries
     (there is no torch here to bring them) and fails the setup clearly when CUDA is not usable."""
-    from service.runtime.providers import resolve_device
+    from service.runtime.device import resolve_device
     from service.settings import EngineSettings
 
     settings = EngineSettings(device="cuda" if spec["cuda"] else "cpu", buckets=tuple(spec["batches"]),
@@ -423,7 +423,7 @@ def _setup_tuned(spec: dict[str, Any], precision: str) -> WorkerState:
 def tuned_engine(name: str, candidates: dict[str, Any], settings: Any, precision: str,
                  budget_s: float) -> tuple[Any, dict[str, Any]]:
     """select_variant tunes in a child process of its own and returns only the winner, loaded and warm."""
-    from service.runtime.autotune import select_variant
+    from service.runtime.tuner import select_variant
 
     started = time.monotonic()
     engine, record = select_variant(candidates, settings, precision=precision, budget_s=budget_s)

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
-from service.runtime.engine_host import EngineHost, HostAddress, LoadRequest  # noqa: E402
-from service.runtime.remote_engine import RemoteEngineLoader  # noqa: E402
-from service.runtime.types import TensorSpec  # noqa: E402
+from service.runtime.engine_process.host import EngineHost, HostAddress, LoadRequest  # noqa: E402
+from service.runtime.engine_process.client import RemoteEngineLoader  # noqa: E402
+from service.runtime.contract import TensorSpec  # noqa: E402
 from service.settings import EngineSettings  # noqa: E402
 
 SAMPLE = (3, 224, 224)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
 from service.optimizer import optimize  # noqa: E402
 from service.runtime.engine import Engine, random_feeds, time_calls  # noqa: E402
-from service.runtime.shared_buffer import SharedBuffer, buffer_folder  # noqa: E402
+from service.runtime.engine_process.shared_buffer import SharedBuffer, buffer_folder  # noqa: E402
 from service.settings import EngineSettings  # noqa: E402
 from service.zoo import build  # noqa: E402
 

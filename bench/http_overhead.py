@@ -53,7 +53,7 @@ from bench.service import (  # noqa: E402
     service_server,
     single_request_latency,
 )
-from service import heap  # noqa: E402
+from service.server import process as heap  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
 TOKEN = "bench-http-overhead-token-0123456789"

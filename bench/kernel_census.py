@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not args.dry_run:
-        from service.runtime.providers import cuda_status
+        from service.runtime.device import cuda_status
 
         usable, reason = cuda_status()
         if not usable:

@@ -179,7 +179,7 @@ def service_server(name: str, model_dir: Path, device: str, logs: Path, **env: s
     base = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
     base.update(
         SERVICE_DEMO_MODEL="true",
-        SERVICE_ENGINE__DEVICE=device,
+        SERVICE_DEVICE=device,
         SERVICE_LOG_LEVEL="warning",
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     )
@@ -582,7 +582,7 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
     """
     from service.model_config import ModelConfig
     from service.optimizer.io import load_model_file
-    from service.runtime.autotune import select_variant
+    from service.runtime.tuner import select_variant
     from service.settings import EngineSettings, ServiceSettings
 
     version, meta = served_model(model_dir, name)
@@ -915,7 +915,7 @@ def resolve_device(requested: str) -> str:
     """'cuda' or 'cpu' for the servers and the in-process engine (auto: what the engine would pick)."""
     if requested != "auto":
         return requested
-    from service.runtime.providers import resolve_device as engine_choice
+    from service.runtime.device import resolve_device as engine_choice
     from service.settings import EngineSettings
 
     return "cuda" if engine_choice(EngineSettings(device="auto")).is_cuda else "cpu"

@@ -76,7 +76,7 @@ class SoakServer:
             SERVICE_ADMIN_TOKEN=TOKEN,
             SERVICE_DEMO_MODEL="false",
             SERVICE_LOG_LEVEL="warning",
-            SERVICE_ENGINE__INTRA_OP_THREADS=str(engine_threads),
+            SERVICE_CPU_THREADS=str(engine_threads),
             PYTHONPATH=str(ROOT),
         )
         self.log = workdir / "server.log"

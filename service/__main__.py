@@ -9,12 +9,17 @@ from pathlib import Path
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from service.api.server import serve
-    from service.settings import ServiceSettings
+    from service.server.main import serve
+    from service.settings import SettingsError, load_settings
 
     given = {"host": args.host, "port": args.port, "model_dir": args.model_dir, "workers": args.workers}
     overrides = {k: v for k, v in given.items() if v is not None}  # port 0 (pick a free one) is a value
-    return serve(ServiceSettings(**overrides))
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:

@@ -2,10 +2,36 @@
 
 Each class carries an HTTP status and a stable machine-readable code. Only ``service.api`` turns them
 into HTTP responses (body ``{"error": "..."}``); the optimizer, runtime and store raise them without
-knowing about HTTP. Messages must never contain server paths or tracebacks.
+knowing about HTTP. Messages must never contain server paths or tracebacks: ``printable`` bounds text a
+client or an uploaded model supplied, ``first_line`` reduces a library's exception to a line without
+directories.
 """
 
 from __future__ import annotations
+
+import re
+
+_DIRECTORY = re.compile(r"(/[^\s:]+/)([^/\s:]+)")
+
+
+def printable(text: object, limit: int = 64) -> str:
+    """Client- or model-supplied text for a message: at most ``limit`` characters, unprintables as '?'."""
+    value = str(text)
+    clean = "".join(ch if ch.isprintable() else "?" for ch in value[:limit])
+    return clean + ("..." if len(value) > limit else "")
+
+
+def first_line(error: BaseException | str, limit: int = 200) -> str:
+    """The first line of an exception (or text), without directories: safe to log and to send."""
+    if isinstance(error, ServiceError):
+        text = error.message
+    elif isinstance(error, BaseException):
+        text = str(error) or type(error).__name__
+    else:
+        text = error
+    text = text.strip()
+    line = text.splitlines()[0] if text else "unknown error"
+    return _DIRECTORY.sub(r"\2", line)[:limit]
 
 
 class ServiceError(Exception):

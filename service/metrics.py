@@ -148,7 +148,7 @@ class Metrics:
 
 
 class EngineProcessMetrics:
-    """The engine process's own series (``service.runtime.engine_host``): samples per engine call it makes.
+    """The engine process's own series (``runtime.engine_process.host``): samples per engine call it makes.
 
     With several workers each worker's ``service_batch_size`` counts the batches it formed; the engine
     process may merge batches of several workers into one call, and this histogram counts what the GPU

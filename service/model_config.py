@@ -1,22 +1,19 @@
 """Per-model configuration, stored with every model version.
 
 ``ModelConfig`` is what a client may send with an upload: every field is optional and ``None`` means "the
-service default" (``ServiceSettings``), so a stored model follows later changes of the defaults. The bounds
-match ``service.settings`` so no per-model value can exceed what an operator could configure globally.
+service default", so a stored model follows later changes of the defaults. Each field's bounds are the very
+types of ``service.settings``, so no per-model value can exceed what an operator could configure globally.
 ``ModelConfig.effective(settings)`` resolves it into the ``EffectiveConfig`` the registry uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from service.settings import EngineSettings, ServiceSettings
-
-MAX_BUCKETS = 16
-"""Each bucket costs an IO binding and (on CUDA) a captured graph: keep the count bounded."""
+from service.settings import Buckets, MaxBatchSize, MaxDelayMs, Precision, QueueSize, ServiceSettings, TimeoutS
 
 
 class ModelConfig(BaseModel):
@@ -24,26 +21,15 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_batch_size: int | None = Field(None, ge=1, le=4096, description="Most samples in one engine call.")
-    max_delay_ms: float | None = Field(None, ge=0.0, le=1000.0, description="Longest wait for more requests.")
-    queue_size: int | None = Field(None, ge=1, le=1_000_000, description="Most samples waiting (503 beyond).")
-    timeout_s: float | None = Field(None, gt=0.0, le=3600.0, description="Per-request deadline (504).")
-    precision: Literal["fp32", "fp16", "auto"] | None = Field(
+    max_batch_size: MaxBatchSize | None = Field(None, description="Most samples in one engine call.")
+    max_delay_ms: MaxDelayMs | None = Field(None, description="Longest wait for more requests.")
+    queue_size: QueueSize | None = Field(None, description="Most samples waiting (503 beyond).")
+    timeout_s: TimeoutS | None = Field(None, description="Per-request deadline (504).")
+    precision: Precision | None = Field(
         None, description="fp32, fp16 (fp32 inputs/outputs kept), or auto: the engine measures both."
     )
-    buckets: tuple[int, ...] | None = Field(None, description="Batch-size buckets of the engine.")
+    buckets: Buckets | None = Field(None, description="Batch-size buckets of the engine.")
     fused_conv: bool | None = Field(None, description="Allow the com.microsoft.FusedConv variant.")
-
-    @field_validator("buckets")
-    @classmethod
-    def _valid_buckets(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if value is None:
-            return None
-        if not value or len(value) > MAX_BUCKETS:
-            raise ValueError(f"give 1 to {MAX_BUCKETS} buckets")
-        if any(b < 1 or b > 4096 for b in value):
-            raise ValueError("buckets must be between 1 and 4096")
-        return tuple(sorted(set(value)))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that were set (JSON-able), as stored in the metadata."""
@@ -54,23 +40,21 @@ class ModelConfig(BaseModel):
         return cls.model_validate(data or {})
 
     def effective(self, settings: ServiceSettings) -> EffectiveConfig:
-        """Merge with the service defaults. Global batching off means one request per engine call."""
-        batching = settings.batching
-        max_batch = self.max_batch_size if self.max_batch_size is not None else batching.max_batch_size
-        delay_ms = self.max_delay_ms if self.max_delay_ms is not None else batching.max_delay_ms
-        if not batching.enabled:
-            max_batch = 1
+        """Merge with the service defaults."""
         return EffectiveConfig(
-            max_batch_size=max_batch,
-            max_delay_s=delay_ms / 1000.0,
-            queue_size=self.queue_size if self.queue_size is not None else batching.queue_size,
-            timeout_s=self.timeout_s if self.timeout_s is not None else batching.timeout_s,
-            precision=self.precision or settings.precision,
-            buckets=self.buckets or settings.engine.buckets,
-            fused_conv=self.fused_conv if self.fused_conv is not None else settings.optimizer.fused_conv,
-            verify=settings.optimizer.verify,
-            inline_max_s=batching.inline_max_ms / 1000.0,
+            max_batch_size=_pick(self.max_batch_size, settings.max_batch_size),
+            max_delay_s=_pick(self.max_delay_ms, settings.max_delay_ms) / 1000.0,
+            queue_size=_pick(self.queue_size, settings.queue_size),
+            timeout_s=_pick(self.timeout_s, settings.request_timeout_s),
+            precision=_pick(self.precision, settings.precision),
+            buckets=_pick(self.buckets, settings.buckets),
+            fused_conv=_pick(self.fused_conv, settings.fused_conv),
+            verify=settings.verify,
         )
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +69,6 @@ class EffectiveConfig:
     buckets: tuple[int, ...]
     fused_conv: bool
     verify: bool
-    inline_max_s: float = 0.0
-
-    def engine_settings(self, settings: ServiceSettings) -> EngineSettings:
-        """The service's engine settings with this model's buckets."""
-        return settings.engine.model_copy(update={"buckets": self.buckets})
 
     def graph_fields(self) -> dict[str, Any]:
         """The settings that change the optimized graph(s), or whether they were verified: part of the

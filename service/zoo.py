@@ -14,7 +14,7 @@ must fix:
 - numeric intermediate tensor names and torchvision ``state_dict`` names for the weights.
 
 ``mobilenet_v3_large`` at opset 11 has 549 nodes, as many as the real export in
-/work/shared/anchors.md. ``mobilenet_v3_large_native`` is the PyTorch >= 1.6 form (``HardSwish`` and
+docs/benchmarks.md. ``mobilenet_v3_large_native`` is the PyTorch >= 1.6 form (``HardSwish`` and
 ``HardSigmoid`` ops, opset >= 14, BatchNormalization still kept).
 
 Weights are seeded random (He-scaled); each BatchNormalization's running statistics come from a

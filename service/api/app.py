@@ -1,31 +1,31 @@
 """The FastAPI application factory.
 
-``create_app(settings)`` builds one self-contained app: its settings, registry, metrics (a private
-Prometheus registry) and lifecycle hang off ``app.state``, nothing lives at module level, so tests and
-benchmarks can run several apps in one process.
+``create_app(settings)`` builds one self-contained app: its settings, model manager, dataplane, metrics (a
+private Prometheus registry) and lifecycle hang off ``app.state``; nothing lives at module level, so tests and
+benchmarks can run several apps in one process. The server (``service.server``) decides the process topology
+and passes in a manager built for it; the app itself only answers requests.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.applications import Starlette
 
+from service.dataplane import DataPlane, server_version
 from service.metrics import Metrics
+from service.registry.manager import ModelManager
 from service.settings import ServiceSettings
 
-from . import health, kserve, metrics_route, models, predict
-from .connection_balance import BalanceMiddleware
-from .error_handlers import install_error_handlers
+from . import health, management, metrics_route, predict, v2
+from .errors import install_error_handlers
 from .fast_path import InferFastPath
 from .inference import InFlight
-from .lifecycle import Lifecycle, WorkerRole, lifespan
+from .lifecycle import Lifecycle, lifespan
 from .schemas import BODY_MODELS
-
-if TYPE_CHECKING:
-    from service.registry import ModelRegistry
 
 DESCRIPTION = (
     "ONNX model server for PyTorch-exported CNNs: graph fusion, ONNX Runtime (CUDA graphs on NVIDIA GPUs), "
@@ -36,69 +36,50 @@ DESCRIPTION = (
 class ServiceApp(FastAPI):
     """FastAPI with the infer fast path in front of its whole middleware stack.
 
-    Starlette's stack (ServerErrorMiddleware, FastAPI's telemetry and body-limit middlewares, the
-    exception middleware) wraps every request in several coroutines and send wrappers. The fast path
-    renders its own errors, so binary and JSON infer requests skip all of it: about 0.065 ms less per
-    request, measured ad hoc in-process on the CPU machine (0.50 against 0.56 ms for a whole request).
+    Starlette's stack (ServerErrorMiddleware, FastAPI's middlewares, the exception middleware) wraps every
+    request in several coroutines and send wrappers. The fast path renders its own errors, so binary and JSON
+    infer requests skip all of it: about 0.065 ms less per request, measured ad hoc in-process on the CPU
+    machine (0.50 against 0.56 ms for a whole request).
     """
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """HTTP goes straight to the middleware stack, as Starlette does, past FastAPI's own layer: that
-        layer checks on every request whether FastAPI's OpenTelemetry support is configured (this service
-        reports through Prometheus and does not configure it): 17-20 us per request
-        (bench/results/asgi-layer-2026-12-01-cpu.json).
-        Everything else (the lifespan) takes FastAPI's path."""
+        """HTTP goes straight to the middleware stack, as Starlette does, past FastAPI's own layer: that layer
+        checks on every request whether FastAPI's OpenTelemetry support is configured (this service reports
+        through Prometheus and does not configure it): 17-20 us per request
+        (bench/results/asgi-layer-2026-12-01-cpu.json). Everything else (the lifespan) takes FastAPI's path."""
         if scope["type"] == "http":
             await Starlette.__call__(self, scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
     def build_middleware_stack(self) -> Any:
-        stack = InferFastPath(super().build_middleware_stack())
-        balancer = self.state.lifecycle.role.balancer
-        return stack if balancer is None else BalanceMiddleware(stack, balancer)
+        return InferFastPath(super().build_middleware_stack())
 
 
 def create_app(
     settings: ServiceSettings,
-    registry: ModelRegistry | None = None,
+    manager: ModelManager | None = None,
     *,
     metrics: Metrics | None = None,
-    role: WorkerRole | None = None,
+    serve_before_ready: bool = True,
+    on_started: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """Build the app. Without ``registry`` one is created on ``settings`` reporting to ``metrics``.
-    ``role``: this process's part among several workers (default: the only server process)."""
+    """Build the app. Without ``manager`` one is made on ``settings`` (engines in this process) reporting to
+    ``metrics``. ``serve_before_ready``: accept connections while the models load (readiness says "loading");
+    ``on_started``: called once the manager's startup has finished, successfully or not."""
     metrics = metrics if metrics is not None else Metrics()
-    role = role or WorkerRole()
-    if registry is None:
-        from service.registry import ModelRegistry
-        from service.runtime.loading import load_in_process
-        from service.runtime.remote_engine import RemoteEngineLoader
-
-        registry = ModelRegistry(
-            settings,
-            metrics=metrics,
-            prepare_store=role.prepare_store,
-            follow_store=role.follow_store,
-            engine_loader=load_in_process
-            if role.engine_host is None
-            else RemoteEngineLoader(role.engine_host, in_flight=settings.engine_process_in_flight),
-        )
-    app = ServiceApp(
-        title="onnx-cnn-serve",
-        version=kserve.server_version(),
-        description=DESCRIPTION,
-        lifespan=lifespan,
-    )
+    if manager is None:
+        manager = ModelManager(settings, metrics=metrics)
+    dataplane = DataPlane(manager)
+    app = ServiceApp(title="onnx-cnn-serve", version=server_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
-    app.state.registry = registry
+    app.state.manager = manager
+    app.state.dataplane = dataplane
     app.state.metrics = metrics
-    app.state.lifecycle = Lifecycle(registry, role)
-    if role.balancer is not None:
-        role.balancer.on_close = metrics.rebalanced.inc
+    app.state.lifecycle = Lifecycle(dataplane, serve_before_ready=serve_before_ready, on_started=on_started)
     app.state.inflight = InFlight()
     install_error_handlers(app)
-    for module in (health, predict, kserve, models, metrics_route):
+    for module in (health, predict, v2, management, metrics_route):
         app.include_router(module.router)
     _document_bodies(app)
     return app
@@ -110,9 +91,7 @@ def _document_bodies(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
-        schema = get_openapi(
-            title=app.title, version=app.version, description=app.description, routes=app.routes
-        )
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in BODY_MODELS:
             doc = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -1,9 +1,9 @@
 """Wire formats: JSON (orjson), the KServe V2 binary tensor extension and ``.npy``.
 
-Everything here is pure (bytes in, arrays out and back) and refuses hostile input with a
-``BadRequestError`` that names the offending tensor, before allocating anything sized by the request's
-own claims: a declared shape must be backed by as many bytes or values as it says, so memory stays
-bounded by the (already size-limited) body.
+Everything here is pure (bytes in, arrays out and back; ``json_response`` wraps a JSON body) and refuses hostile
+input with a ``BadRequestError`` that names the offending tensor, before allocating anything sized by the request's
+own claims: a declared shape must be backed by as many bytes or values as it says, so memory stays bounded by the
+(already size-limited) body.
 """
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ from __future__ import annotations
 import io
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import orjson
 from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
 
-from service.errors import BadRequestError, InvalidInputError
-from service.runtime.types import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, TensorSpec
+from service.errors import BadRequestError, InvalidInputError, first_line
+from service.runtime.contract import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, InferenceRequest, Signature
 
 from .schemas import InferRequest, PredictRequest
 
@@ -36,6 +37,10 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 def dumps(obj: Any) -> bytes:
     """orjson with numpy arrays serialized natively (non-finite floats become ``null``)."""
     return orjson.dumps(obj, option=_JSON_OPTS)
+
+
+def json_response(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(dumps(doc), status_code=status, headers=dict(headers or {}), media_type="application/json")
 
 
 def loads(body: bytes | memoryview, what: str = "request body") -> Any:
@@ -70,16 +75,9 @@ def decode_predict(body: bytes) -> PredictRequest:
     return validate(PredictRequest, loads(body), "predict request")
 
 
-def arrays_from_nested(inputs: Mapping[str, Any], specs: Iterable[TensorSpec]) -> dict[str, np.ndarray]:
+def arrays_from_nested(inputs: Mapping[str, Any], signature: Signature) -> dict[str, np.ndarray]:
     """Nested JSON lists -> arrays of each input's own dtype (JSON carries no dtype)."""
-    by_name = {s.name: s for s in specs}
-    arrays: dict[str, np.ndarray] = {}
-    for name, value in inputs.items():
-        spec = by_name.get(name)
-        if spec is None:
-            raise InvalidInputError(f"unexpected input {name!r}; the model takes: {', '.join(by_name)}")
-        arrays[name] = _to_array(name, value, spec.dtype)
-    return arrays
+    return {name: _to_array(name, value, signature.input(name).dtype) for name, value in inputs.items()}
 
 
 def _to_array(name: str, value: Any, dtype: np.dtype) -> np.ndarray:
@@ -90,13 +88,8 @@ def _to_array(name: str, value: Any, dtype: np.dtype) -> np.ndarray:
             return np.asarray(value, dtype=dtype)
     except _CONVERSION_ERRORS as exc:
         raise InvalidInputError(
-            f"input {name!r}: not a rectangular array of {dtype} values ({_short(exc)})"
+            f"input {name!r}: not a rectangular array of {dtype} values ({first_line(exc, 160)})"
         ) from None
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).split("\n", 1)[0]
-    return text[:160]
 
 
 def outputs_payload(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -113,11 +106,10 @@ def _jsonable(arr: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ KServe V2
 @dataclass
 class V2Request:
-    """A decoded V2 inference request."""
+    """A decoded V2 inference request, checked against the model's signature."""
 
     id: str | None
-    inputs: dict[str, np.ndarray]
-    outputs: list[str] | None  # None: all of the model's outputs
+    request: InferenceRequest
     binary: dict[str, bool]  # output name -> send as binary
 
 
@@ -137,51 +129,30 @@ def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, m
     return view[:n], view[n:]
 
 
-ShapeCheck = Callable[[str, Sequence[int], int], object]
-"""``ModelVersion.check_shape(name, shape, itemsize)``: refuses a declared shape before any allocation."""
-
-
-def decode_v2_request(
-    body: bytes,
-    header_length: str | None,
-    inputs: Iterable[TensorSpec],
-    outputs: Iterable[TensorSpec],
-    check_shape: ShapeCheck | None = None,
-) -> V2Request:
+def decode_v2_request(body: bytes, header_length: str | None, signature: Signature) -> V2Request:
+    """Decode and check a V2 request: each tensor's declared shape is checked before its data is read."""
     header, tail = split_v2_body(body, header_length)
     req = validate(InferRequest, loads(header, "inference request header"), "inference request")
-    input_specs = {s.name: s for s in inputs}
-    if len(req.inputs) > len(input_specs):
-        raise InvalidInputError(f"{len(req.inputs)} inputs given; the model takes {len(input_specs)}")
-    arrays = _decode_v2_inputs(req, tail, input_specs, len(header), check_shape)
-    names, binary = _requested_outputs(req, [s.name for s in outputs])
-    return V2Request(id=req.id, inputs=arrays, outputs=names, binary=binary)
+    if len(req.inputs) > len(signature.inputs):
+        raise InvalidInputError(f"{len(req.inputs)} inputs given; the model takes {len(signature.inputs)}")
+    arrays, batches = _decode_v2_inputs(req, tail, signature, len(header))
+    names, binary = _requested_outputs(req, [s.name for s in signature.outputs])
+    return V2Request(id=req.id, request=signature.complete(arrays, batches, names), binary=binary)
 
 
 def _decode_v2_inputs(
-    req: InferRequest,
-    tail: memoryview,
-    specs: Mapping[str, TensorSpec],
-    max_values: int,
-    check_shape: ShapeCheck | None,
-) -> dict[str, np.ndarray]:
+    req: InferRequest, tail: memoryview, signature: Signature, max_values: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     arrays: dict[str, np.ndarray] = {}
+    batches: dict[str, int] = {}
     offset = 0
     for i, tensor in enumerate(req.inputs):
         if tensor.name in arrays:
             raise InvalidInputError(f"input {tensor.name!r} given twice")
         dtype = _v2_dtype(tensor.name, tensor.datatype)
-        spec = specs.get(tensor.name)
-        if spec is None:
-            raise InvalidInputError(f"unknown input {tensor.name!r}; the model takes: {', '.join(specs)}")
-        if spec.dtype != dtype:
-            raise InvalidInputError(
-                f"input {tensor.name!r}: expected datatype {spec.datatype}, got {tensor.datatype}"
-            )
         params = tensor.parameters or {}
         _refuse_shared_memory(params, f"inputs[{i}]")
-        if check_shape is not None:
-            check_shape(tensor.name, tensor.shape, dtype.itemsize)
+        batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
         count = math.prod(tensor.shape)
         if "binary_data_size" in params:
             if tensor.data is not None:
@@ -197,7 +168,7 @@ def _decode_v2_inputs(
         raise BadRequestError(
             f"binary data: inputs declare {offset} bytes, the body has {len(tail)} after the JSON header"
         )
-    return arrays
+    return arrays, batches
 
 
 def _v2_dtype(name: str, datatype: str) -> np.dtype:
@@ -335,7 +306,7 @@ def decode_npy(body: bytes) -> np.ndarray:
     except BadRequestError:
         raise
     except Exception as exc:  # numpy raises ValueError/SyntaxError/... on malformed headers
-        raise BadRequestError(f"not a valid .npy body ({_short(exc)})") from None
+        raise BadRequestError(f"not a valid .npy body ({first_line(exc, 160)})") from None
     native = dtype.newbyteorder("=") if dtype.byteorder not in ("|", "=") else dtype
     if dtype.hasobject or native not in NUMPY_TO_KSERVE:
         raise BadRequestError(f".npy dtype {dtype.str!r} is not supported (numeric types only)")

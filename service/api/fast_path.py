@@ -16,8 +16,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from .error_handlers import exception_response
-from .kserve import handle_infer
+from .errors import exception_response
+from .v2 import handle_infer
 
 _INFER_PATH = re.compile(r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 

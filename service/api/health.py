@@ -9,15 +9,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from .codecs import dumps
-from .deps import lifecycle_of
+from .codecs import json_response
+from .deps import dataplane_of
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/v2/health/live", summary="Liveness: 200 while the process serves HTTP")
 async def live() -> Response:
-    return Response(dumps({"live": True}), media_type="application/json")
+    return json_response({"live": True})
 
 
 @router.get(
@@ -26,8 +26,8 @@ async def live() -> Response:
     responses={503: {"description": "not ready"}},
 )
 async def ready(request: Request) -> Response:
-    lifecycle = lifecycle_of(request)
-    if lifecycle.ready:
-        return Response(dumps({"ready": True}), media_type="application/json")
-    doc = {"ready": False, "error": f"not ready: {lifecycle.not_ready_reason()}"}
-    return Response(dumps(doc), status_code=503, media_type="application/json", headers={"Retry-After": "1"})
+    dataplane = dataplane_of(request)
+    if dataplane.ready:
+        return json_response({"ready": True})
+    doc = {"ready": False, "error": f"not ready: {dataplane.not_ready_reason()}"}
+    return json_response(doc, 503, {"Retry-After": "1"})

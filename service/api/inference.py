@@ -1,4 +1,4 @@
-"""What the inference routes share: metrics per request and running a request against a model.
+"""What the inference routes share: metrics per request and running a checked request through the dataplane.
 
 ``infer`` watches the connection while the request waits in the batching queue (from ``WATCH_AFTER_S``
 on): when the client goes away its task is cancelled, so the batcher drops it and its queue slot is
@@ -13,15 +13,15 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
 from service.errors import ServiceError
 
-from .deps import metrics_of
+from .deps import dataplane_of, metrics_of
 
 if TYPE_CHECKING:
-    from service.registry import InferenceResult, ModelVersion
+    from service.registry.version import InferenceResult, ModelVersion
+    from service.runtime.contract import InferenceRequest
 
 
 class InFlight:
@@ -101,10 +101,8 @@ WATCH_AFTER_S = 0.005
 """A request still waiting after this long starts watching its connection; quicker ones never pay for it."""
 
 
-async def infer(
-    request: Request, mv: ModelVersion, inputs: dict[str, np.ndarray], outputs: list[str] | None
-) -> InferenceResult:
-    """Queue and run one request (``mv.infer`` validates); cancelled if the client disconnects.
+async def infer(request: Request, mv: ModelVersion, checked: InferenceRequest) -> InferenceResult:
+    """Queue and run one checked request through the dataplane; cancelled if the client disconnects.
 
     The request runs in the handler's own task. Once it has waited ``WATCH_AFTER_S``, a watcher task
     cancels the handler when the client goes away. Cost, measured ad hoc in-process on the CPU machine
@@ -128,7 +126,7 @@ async def infer(
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
     alone = request.app.state.inflight.alone()  # nothing else in progress: the batcher may run it inline
     try:
-        return await mv.infer(inputs, outputs, alone=alone)
+        return await dataplane_of(request).infer(mv, checked, alone=alone)
     except asyncio.CancelledError:
         if watch is not None and watch.done() and not watch.cancelled() and handler.uncancel() == 0:
             raise ClientDisconnect() from None

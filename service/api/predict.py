@@ -15,12 +15,12 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from service.errors import BadRequestError, UnsupportedMediaTypeError
-from service.runtime.types import TensorSpec
+from service.runtime.contract import TensorSpec
 
 from .bodies import MIB, read_body
 from .codecs import NPY_MEDIA_TYPE, arrays_from_nested, decode_npy, decode_predict, dumps, encode_npy
 from .codecs import outputs_payload as jsonable_outputs
-from .deps import resolve, settings_of
+from .deps import dataplane_of, settings_of
 from .inference import Observed, infer
 from .schemas import ErrorBody, PredictRequest, PredictResponse, json_body
 
@@ -49,23 +49,24 @@ def _is_json(media: str) -> bool:
 async def predict(
     request: Request,
     model: Annotated[str | None, Query(max_length=64, description="Model, if the body has none")] = None,
-    version: Annotated[int | None, Query(ge=1, le=2**62, description="Version (default: the latest)")] = None,
+    version: Annotated[str | None, Query(max_length=20, description="Version (default: the latest)")] = None,
 ) -> Response:
     async with Observed(request, "predict") as obs:
         media = _media_type(request)
         if not _is_json(media) and media != NPY_MEDIA_TYPE:
             raise UnsupportedMediaTypeError(f"send application/json or {NPY_MEDIA_TYPE}, not {media[:64]!r}")
         body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        dataplane = dataplane_of(request)
         if media == NPY_MEDIA_TYPE:
-            mv = resolve(request, model, version)
-            spec = _single_input(mv.inputs)
+            mv = dataplane.model_for_infer(model, version)
+            spec = _single_input(mv.signature.inputs)
             inputs = {spec.name: _npy_input(body, spec.dtype)}
         else:
             req = decode_predict(body)
-            mv = resolve(request, req.model or model, req.version or version)
-            inputs = arrays_from_nested(req.inputs, mv.inputs)
+            mv = dataplane.model_for_infer(req.model or model, req.version or version)
+            inputs = arrays_from_nested(req.inputs, mv.signature)
         obs.model = mv.name
-        obs.result = await infer(request, mv, inputs, None)
+        obs.result = await infer(request, mv, mv.signature.request(inputs))
         if NPY_MEDIA_TYPE in request.headers.get("accept", "") and len(obs.result.outputs) == 1:
             (array,) = obs.result.outputs.values()
             return Response(encode_npy(array), media_type=NPY_MEDIA_TYPE)
@@ -73,7 +74,7 @@ async def predict(
         return Response(dumps(doc), media_type="application/json")
 
 
-def _single_input(specs: list[TensorSpec]) -> TensorSpec:
+def _single_input(specs: tuple[TensorSpec, ...]) -> TensorSpec:
     if len(specs) != 1:
         raise BadRequestError(f"{NPY_MEDIA_TYPE} bodies need a single-input model; this takes {len(specs)}")
     return specs[0]

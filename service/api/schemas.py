@@ -12,7 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # = service.validation's rule
+from service.registry.acceptance import MODEL_NAME_PATTERN
+
 MAX_RANK = 32  # numpy allows 64; no CNN tensor comes near either
 MAX_TENSORS = 64  # inputs or requested outputs in one request
 MAX_NAME_LEN = 256

@@ -1,25 +1,24 @@
-"""Dynamic batching in front of one engine.
+"""Dynamic batching in front of one engine: ``Batcher(engine, policy)``.
 
-Concurrent requests for one model are queued, concatenated along axis 0 up to ``max_batch_size`` samples
-(or until ``max_delay_s`` has passed since the oldest one was queued), run in ONE engine call and split back
-so that every caller gets exactly its own rows. Why this shape:
+Concurrent requests for one model are queued, merged up to ``policy.max_batch_size`` samples (or until
+``policy.max_delay_s`` has passed since the oldest one was queued), run in ONE engine call and split back so
+that every caller gets exactly its own rows (``runtime.batching``). Why this shape:
 
-* The engine is not thread-safe (one IO binding, one CUDA graph per bucket), so every engine call happens
-  on a single dedicated worker thread; the asyncio task only forms batches and resolves futures. An engine
-  that takes concurrent calls (a pool of connections to the engine process) gets ``in_flight`` threads:
-  the next batch forms and is handed over while earlier ones run.
-* The queue is bounded in *samples*, not requests: a request carrying its own batch of N counts N. When
-  it is full, ``submit`` fails at once with ``QueueFullError`` (503 + Retry-After) instead of letting
-  memory and latency grow without bound.
-* Deadlines use ``time.monotonic()``. A request whose deadline passed before its batch started is never
-  run. A caller that goes away (client disconnect: its task is cancelled) leaves the queue at once and
-  never breaks the batch it was part of.
-* Requests are only concatenated when every input has the same dtype and per-sample shape (models with
-  dynamic non-batch dims may receive differently shaped requests).
-* A request larger than ``max_batch_size`` is run alone (the engine accepts any batch size).
+* An engine in this process is not thread-safe (one IO binding, one CUDA graph per bucket), so engine calls
+  happen on ``engine.max_concurrent_calls`` dedicated threads (one for an engine here; a pool of connections
+  to the engine process takes more, so the next batch forms and travels while one runs); the asyncio task
+  only forms batches and resolves futures.
+* The queue is bounded in *samples*, not requests: a request carrying its own batch of N counts N. When it is
+  full, ``submit`` fails at once with ``QueueFullError`` (503 + Retry-After) instead of letting memory and
+  latency grow without bound.
+* Deadlines use ``time.monotonic()``. A request whose deadline passed before its batch started is never run.
+  A caller that goes away (client disconnect: its task is cancelled) leaves the queue at once and never
+  breaks the batch it was part of.
+* A request larger than ``max_batch_size`` runs alone (the engine chunks it).
 * Outputs are copied per caller, so no caller ever holds a view into a buffer the engine may reuse.
+* A lone request on an idle server runs on the event loop itself (``INLINE_MAX_S``): see ``submit``.
 
-This module imports nothing from the web layer; errors are ``service.errors`` classes.
+Requests arrive checked (``InferenceRequest``); this module imports nothing from the web layer.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -48,14 +48,40 @@ from service.errors import (
     ServiceError,
     ShuttingDownError,
 )
+from service.runtime.batching import ShapeKey, shape_key, split_rows
+from service.runtime.contract import Engine, InferenceRequest
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-RunParts = Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]
-"""Runs several requests' inputs as one batch without concatenating them first (``Engine.run_parts``)."""
-OnBatch = Callable[[int, float, float], None]
-"""Called after every engine call with (batch size in samples, longest queue wait s, compute s)."""
+INLINE_MAX_S = 0.001
+"""A lone request on an idle server runs on the event loop when the engine last served that many samples
+within this time: the hand-over to the engine thread and back costs more than a fast GPU call."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPolicy:
+    """How one model version's requests are batched."""
+
+    max_batch_size: int
+    max_delay_s: float
+    queue_size: int
+    timeout_s: float
+    inline_max_s: float = INLINE_MAX_S
+    """0: never inline. Ignored (0) for a model with a batching delay: its lone requests wait for company."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.queue_size < 1 or self.max_delay_s < 0 or self.timeout_s <= 0:
+            raise ValueError("need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0")
+        if self.inline_max_s < 0:
+            raise ValueError("need inline_max_s >= 0")
+
+
+class BatchObserver(Protocol):
+    """Told about every engine call and every change of the queue depth (metrics)."""
+
+    def on_batch(self, samples: int, queue_s: float, compute_s: float) -> None: ...
+
+    def on_depth(self, depth: int) -> None: ...
 
 
 @dataclasses.dataclass
@@ -69,15 +95,12 @@ class BatchResult:
     """Samples in that engine call."""
 
 
-_ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
-
-
 @dataclasses.dataclass(eq=False)
 class _Request:
     rid: int
     inputs: dict[str, np.ndarray]
     n: int
-    key: _ShapeKey
+    key: ShapeKey
     enqueued: float
     deadline: float
     future: asyncio.Future[BatchResult]
@@ -89,35 +112,16 @@ class Batcher:
     """Queue + batch former + single engine thread for one loaded model version."""
 
     def __init__(
-        self,
-        run_batch: RunBatch,
-        *,
-        max_batch_size: int,
-        max_delay_s: float,
-        queue_size: int,
-        timeout_s: float,
-        name: str = "model",
-        on_batch: OnBatch | None = None,
-        run_parts: RunParts | None = None,
-        inline_max_s: float = 0.0,
-        in_flight: int = 1,
-        engine_seconds: Callable[[], float | None] | None = None,
-        on_depth: Callable[[int], None] | None = None,
+        self, engine: Engine, policy: BatchPolicy, *, name: str = "model", observer: BatchObserver | None = None
     ) -> None:
-        if max_batch_size < 1 or queue_size < 1 or max_delay_s < 0 or timeout_s <= 0 or inline_max_s < 0:
-            raise ValueError(
-                "need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0, inline_max_s >= 0"
-            )
-        if in_flight < 1:
-            raise ValueError("need in_flight >= 1")
-        self._run_batch = run_batch
-        self._run_parts = run_parts
-        self.max_batch_size = max_batch_size
-        self.max_delay_s = max_delay_s
-        self.queue_size = queue_size
-        self.timeout_s = timeout_s
+        self._engine = engine
+        self.policy = policy
+        self.max_batch_size = policy.max_batch_size
+        self.max_delay_s = policy.max_delay_s
+        self.queue_size = policy.queue_size
+        self.timeout_s = policy.timeout_s
         self.name = name
-        self._on_batch = on_batch
+        self._observer = observer
         self._pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()
         self._depth = 0
         self._ids = itertools.count()
@@ -127,20 +131,13 @@ class Batcher:
         self._closing = False
         self._forming: list[_Request] = []
         self._executing = 0
-        # Batches handed to the engine at once (``in_flight`` engine threads): 1 for an Engine (one thread
-        # at a time); more for engines that take concurrent calls, such as a pool of connections to the
-        # engine process, so the next batch forms and travels while one runs.
-        self.in_flight = in_flight
+        self.in_flight = max(1, int(engine.max_concurrent_calls))
+        """Batches handed to the engine at once (its engine threads)."""
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task[None]] = set()
-        # Inline runs (see submit): allowed up to this engine time; the engine's last time per sample count
-        # of a lone request, measured on whichever thread ran it.
-        self.inline_max_s = inline_max_s if max_delay_s == 0 else 0.0
+        self.inline_max_s = policy.inline_max_s if policy.max_delay_s == 0 else 0.0
         self._lone_run_s: dict[int, float] = {}
-        # An engine in another process (RemoteEngine) tells its own time: the round trip would put a
-        # model near the limit on the far side of it, and its lone requests through the hand-over.
-        self._engine_seconds = engine_seconds
-        self._on_depth = on_depth  # told the queue depth whenever it changes (the metrics gauge)
+        """The engine's own time for a lone request, per sample count (the inline rule compares it)."""
         self._engine_threads: set[int] = set()  # the executor's threads (for _engine_stacks)
 
     # ------------------------------------------------------------------ public API
@@ -155,9 +152,12 @@ class Batcher:
         return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        """Create the batching task and the engine thread. Call inside the running event loop."""
+        """Create the batching task and the engine threads. Call inside the running event loop (which may run
+        lone requests inline: a CUDA-graph engine captures its graphs for this thread now, not in a request)."""
         if self._task is not None:
             raise RuntimeError("batcher already started")
+        if self.inline_max_s > 0:
+            self._engine.prepare_thread()
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.in_flight)
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -167,7 +167,7 @@ class Batcher:
         )
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
-    async def submit(self, inputs: dict[str, np.ndarray], *, alone: bool = False) -> BatchResult:
+    async def submit(self, request: InferenceRequest, *, alone: bool = False) -> BatchResult:
         """Queue one request and wait for its rows of the batch result.
 
         ``alone``: the caller knows no other request is in progress. Then, if nothing is queued, forming
@@ -175,14 +175,14 @@ class Batcher:
         right here on the event loop: no hand-over to the engine thread and back, which costs more than a
         fast GPU engine call on a server that is otherwise idle. Under load (not ``alone``) every request
         takes the batching path. An engine in the engine process is judged by the time it reports for its
-        own call (``engine_seconds``), not by the round trip to it.
+        own call (``last_engine_seconds``), not by the round trip to it.
 
         Raises QueueFullError (queue full), RequestTimeoutError (deadline passed), ShuttingDownError,
-        InvalidInputError (inconsistent batch sizes) or EngineError / the ServiceError the engine raised.
+        InvalidInputError (a batch over the queue) or EngineError / the ServiceError the engine raised.
         """
         if self._closing or self._task is None or self._wakeup is None:
             raise ShuttingDownError("the model is shutting down")
-        n = _batch_size(inputs)
+        inputs, n = request.inputs, request.batch
         if n > self.queue_size:
             raise InvalidInputError(f"batch of {n} samples exceeds this model's limit of {self.queue_size}")
         if self._depth + n > self.queue_size:
@@ -190,24 +190,24 @@ class Batcher:
         if alone and self._may_run_inline(n):
             return self._run_inline(inputs, n)
         now = time.monotonic()
-        request = _Request(
+        queued = _Request(
             rid=next(self._ids),
             inputs=inputs,
             n=n,
-            key=_shape_key(inputs),
+            key=shape_key(inputs),
             enqueued=now,
             deadline=now + self.timeout_s,
             future=asyncio.get_running_loop().create_future(),
         )
-        self._pending[request.rid] = request
+        self._pending[queued.rid] = queued
         self._change_depth(n)
         self._wakeup.set()
         try:
-            return await asyncio.wait_for(request.future, timeout=self.timeout_s)
+            return await asyncio.wait_for(queued.future, timeout=self.timeout_s)
         except TimeoutError:
             raise RequestTimeoutError(f"request timed out after {self.timeout_s:g} s") from None
         finally:
-            self._forget(request)
+            self._forget(queued)
 
     def _may_run_inline(self, n: int) -> bool:
         if self.inline_max_s <= 0 or self._pending or self._forming or self._executing:
@@ -229,9 +229,9 @@ class Batcher:
         return BatchResult(outputs, 0.0, compute_s, n)
 
     def _report_batch(self, total: int, queue_s: float, compute_s: float) -> None:
-        if self._on_batch is not None:
+        if self._observer is not None:
             try:
-                self._on_batch(total, queue_s, compute_s)
+                self._observer.on_batch(total, queue_s, compute_s)
             except Exception:
                 log.exception("batcher %s: on_batch callback failed", self.name)
 
@@ -301,9 +301,9 @@ class Batcher:
 
     def _change_depth(self, delta: int) -> None:
         self._depth += delta
-        if self._on_depth is not None:
+        if self._observer is not None:
             try:
-                self._on_depth(self._depth)
+                self._observer.on_depth(self._depth)
             except Exception:
                 log.exception("batcher %s: on_depth callback failed", self.name)
 
@@ -493,54 +493,17 @@ class Batcher:
     # ------------------------------------------------------------------ the engine thread
 
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
-        """Runs on the engine thread (or inline, see ``submit``): concatenate, run once, split back (copies,
-        never views). A lone request's engine time is kept per sample count for the inline decision."""
+        """Runs on an engine thread (or inline, see ``submit``): one engine call, split back (copies, never
+        views). A lone request's engine time is kept per sample count for the inline decision."""
+        started = time.perf_counter()
+        outputs = self._engine.run_parts(inputs)
         if len(inputs) == 1:
-            started = time.perf_counter()
-            outputs = self._run_batch(inputs[0])
-            own = self._engine_seconds() if self._engine_seconds is not None else None
+            own = self._engine.last_engine_seconds()
             self._lone_run_s[sizes[0]] = own if own is not None else time.perf_counter() - started
-        elif self._run_parts is not None:
-            outputs = self._run_parts(inputs)
-        else:
-            outputs = self._run_batch({name: np.concatenate([x[name] for x in inputs], axis=0) for name in inputs[0]})
-        total = sum(sizes)
-        for name, value in outputs.items():
-            if not isinstance(value, np.ndarray):
-                raise EngineError(f"the engine returned a non-array for output {name!r}")
-            if len(inputs) > 1 and (value.ndim == 0 or value.shape[0] != total):
-                raise EngineError(f"output {name!r} has no batch dimension: requests cannot be batched")
-        if len(inputs) == 1:
-            return [{name: np.array(value, copy=True) for name, value in outputs.items()}]
-        result = []
-        offset = 0
-        for n in sizes:
-            result.append({name: value[offset : offset + n].copy() for name, value in outputs.items()})
-            offset += n
-        return result
+        return split_rows(outputs, sizes, copy=True)
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _batch_size(inputs: dict[str, np.ndarray]) -> int:
-    if not inputs:
-        raise InvalidInputError("the request has no inputs")
-    sizes = set()
-    for name, value in inputs.items():
-        if not isinstance(value, np.ndarray) or value.ndim == 0:
-            raise InvalidInputError(f"input {name!r} must be an array with a batch dimension")
-        sizes.add(int(value.shape[0]))
-    if len(sizes) != 1:
-        raise InvalidInputError(f"inputs disagree on the batch size: {sorted(sizes)}")
-    n = sizes.pop()
-    if n < 1:
-        raise InvalidInputError("batch size must be at least 1")
-    return n
-
-
-def _shape_key(inputs: dict[str, np.ndarray]) -> _ShapeKey:
-    return tuple(sorted((name, value.dtype.str, tuple(value.shape[1:])) for name, value in inputs.items()))
 
 
 def _resolve_exception(request: _Request, exc: BaseException) -> None:

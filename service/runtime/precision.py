@@ -1,6 +1,6 @@
 """fp16 serving: convert an fp32 model keeping fp32 inputs/outputs, and check it against fp32.
 
-Why: at batch 64 fp16 runs 1.3-1.45x faster on an H200 (../shared/anchors.md); at batch 1 it hardly
+Why: at batch 64 fp16 runs 1.3-1.45x faster on an H200 (docs/benchmarks.md); at batch 1 it hardly
 matters. Clients keep sending and receiving fp32 (``keep_io_types``: Cast nodes at the graph's edges).
 Ops whose CUDA kernel is fp32-only stay fp32 (FusedConv: its CUDA kernel is float only), which costs
 Casts around them, so the tuner prefers to convert the candidate without FusedConv.
@@ -28,7 +28,7 @@ import onnx
 from service.errors import OptimizationError
 
 if TYPE_CHECKING:
-    from service.runtime.engine import Engine
+    from service.runtime.engine import OrtEngine
 
 FP32_ONLY_ON_CUDA: tuple[str, ...] = ("FusedConv",)
 REL_L2_TOLERANCE = 5e-2
@@ -89,8 +89,8 @@ def _top1(got: np.ndarray, ref: np.ndarray) -> tuple[int, int, int, int]:
 
 
 def check_fp16(
-    engine_fp16: Engine,
-    engine_fp32: Engine,
+    engine_fp16: OrtEngine,
+    engine_fp32: OrtEngine,
     *,
     batch: int = 4,
     trials: int = 2,
@@ -103,7 +103,7 @@ def check_fp16(
     rng = np.random.default_rng(seed)
     worst, rows, agreeing, decided_bad, decided_rows = 0.0, 0, 0, 0, 0
     for _ in range(trials):
-        feeds = random_feeds(engine_fp32.inputs, batch, rng)
+        feeds = random_feeds(engine_fp32.signature.inputs, batch, rng)
         ref, got = engine_fp32.run(feeds), engine_fp16.run(feeds)
         for name, ref_out in ref.items():
             worst = max(worst, _rel_l2(got[name], ref_out))

@@ -1,14 +1,14 @@
-"""Two engines of one model behind the Engine interface: small batches on one, large batches on the other.
+"""Two engines of one model behind the Engine protocol: small batches on one, large batches on the other.
 
 Why: the fastest way to run a model is not the same at every batch size. On an H200 (bench/results/
 gpu-sharing-2026-11-30-h200-conv-bias.json) MobileNetV3 at batch 1 is fastest as an fp32 CUDA graph
 (0.49 ms; without a graph the launches cost 1.1 ms or more), while at batch 64 the fastest is fp16 without a
 graph, with conv-bias fusion (1.93 ms against 3.19 for the fp32 graph; fp16 CUDA graphs crash on ONNX
-Runtime 1.31.1). The load-time tuner (service.runtime.autotune) times both kinds and, when another
-configuration wins the large buckets, serves those buckets from it and everything else from the primary.
+Runtime 1.31.1). The load-time tuner (``runtime.tuner``) times both kinds and, when another configuration
+wins the large buckets, serves those buckets from it and everything else from the primary.
 
-Contract: the same as Engine's (same inputs and outputs; one thread at a time). A batch goes to the engine
-that owns the bucket it pads up to; a batch above the largest bucket is chunked by that engine.
+Invariants: the same signature on both engines; one thread at a time; a batch goes to the engine that owns
+the bucket it pads up to, and a batch above the largest bucket is chunked by that engine.
 """
 
 from __future__ import annotations
@@ -18,54 +18,58 @@ from typing import Any
 
 import numpy as np
 
-from service.runtime.engine import Engine
+from service.runtime.contract import PageLocker
+from service.runtime.engine import OrtEngine
 
 
 class SplitEngine:
     """``primary`` holds every bucket and serves all but ``large_buckets``, which ``large`` serves."""
 
-    def __init__(self, primary: Engine, large: Engine, large_buckets: Sequence[int]) -> None:
+    max_concurrent_calls = 1
+
+    def __init__(self, primary: OrtEngine, large: OrtEngine, large_buckets: Sequence[int]) -> None:
         missing = sorted(set(large_buckets) - set(large.buckets))
         if missing or not large_buckets:
             raise ValueError(f"the large engine must hold every bucket it serves (missing {missing})")
         if not set(large_buckets) <= set(primary.buckets):
             raise ValueError("the primary engine must hold every bucket (it decides which bucket a batch takes)")
-        if [s.to_dict() for s in primary.inputs] != [s.to_dict() for s in large.inputs]:
+        if primary.signature.inputs != large.signature.inputs:
             raise ValueError("the two engines must take the same inputs")
         self.primary, self.large = primary, large
         self.large_buckets = tuple(sorted(large_buckets))
-        self.inputs, self.outputs = primary.inputs, primary.outputs
+        self.signature = primary.signature
         self.provider = primary.provider
         self.buckets, self.max_batch_size = primary.buckets, primary.max_batch_size
         self.variant = f"{primary.variant} + {large.variant} for {list(self.large_buckets)}"
         self.load_s = primary.load_s + large.load_s
+        self._last: OrtEngine = primary
 
     def bucket_for(self, n: int) -> int:
         return self.primary.bucket_for(n)
 
-    def _engine_for(self, n: int) -> Engine:
+    def engine_for(self, n: int) -> OrtEngine:
         return self.large if self.bucket_for(n) in self.large_buckets else self.primary
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        n = _batch_of(feeds)
-        return self._engine_for(n).run(feeds)
+        return self.run_parts([feeds])
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        n = sum(_batch_of(part) for part in parts)
-        return self._engine_for(n).run_parts(parts)
+        n = sum(_rows(part) for part in parts)
+        self._last = self.engine_for(n)
+        return self._last.run_parts(parts)
 
-    def run_bound(self, batch: int) -> None:
-        self._engine_for(batch).run_bound(batch)
+    def last_engine_seconds(self) -> float | None:
+        return self._last.last_engine_seconds()
 
-    def time_batch(self, batch: int, **kwargs: Any) -> float:
-        return self._engine_for(batch).time_batch(batch, **kwargs)
+    def replay(self, batch: int) -> None:
+        self.engine_for(batch).replay(batch)
 
-    def page_lock(self, address: int, nbytes: int) -> bool:
-        """Page-locked memory serves every CUDA context of the process, so one engine's lock covers both."""
-        return self.primary.page_lock(address, nbytes)
+    def fill(self, batch: int) -> None:
+        self.engine_for(batch).fill(batch)
 
-    def page_unlock(self, address: int) -> None:
-        self.primary.page_unlock(address)
+    def page_locker(self) -> PageLocker | None:
+        """Page-locked memory serves every CUDA context of the process, so the primary's lock covers both."""
+        return self.primary.page_locker()
 
     @property
     def host_to_device(self) -> str:
@@ -95,7 +99,7 @@ class SplitEngine:
         self.close()
 
 
-def _batch_of(feeds: Mapping[str, np.ndarray]) -> int:
-    """The leading dimension of the first input (the engine validates that all inputs agree)."""
+def _rows(feeds: Mapping[str, np.ndarray]) -> int:
+    """The leading dimension of the first input (the engine checks that all inputs agree)."""
     first = next(iter(feeds.values()), None)
     return int(first.shape[0]) if first is not None and np.ndim(first) else 0

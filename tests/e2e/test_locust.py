@@ -45,9 +45,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     env.update(
         SERVICE_ADMIN_TOKEN=token,
         SERVICE_DEMO_MODEL="true",
-        SERVICE_ENGINE__DEVICE="cpu",
-        SERVICE_ENGINE__BUCKETS="[1,2,4,8]",
-        SERVICE_BATCHING__MAX_BATCH_SIZE="8",
+        SERVICE_DEVICE="cpu",
+        SERVICE_BUCKETS="[1,2,4,8]",
+        SERVICE_MAX_BATCH_SIZE="8",
         SERVICE_LOG_LEVEL="warning",
         PYTHONPATH=str(ROOT),
     )

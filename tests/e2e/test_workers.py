@@ -112,12 +112,12 @@ def metric_total(text: str, name: str, **labels: str) -> float:
     return total
 
 
-@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "own-engines"])
-def test_two_workers_share_the_port_and_the_store(tmp_path: Path, engine_process: bool) -> None:
+def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
     model = tiny_cnn(seed=5)
     x = np.random.default_rng(3).normal(size=(2, 3, 8, 8)).astype(np.float32)
     want = reference(model, {"input": x})["logits"]
-    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2", "SERVICE_ENGINE_PROCESS": str(engine_process)}
+    engine_process = True  # with workers, one engine process always owns the device
+    env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         pids = worker_pids(server.pid)
         assert len(pids) == 2
@@ -180,9 +180,9 @@ def connections_per_worker(pids: set[int], port: int) -> list[int]:
 
 def test_kept_alive_connections_are_spread_evenly_over_the_workers(tmp_path: Path) -> None:
     """12 kept-alive connections over 2 workers: the kernel alone leaves them 6/6 only 23% of the time
-    (with SERVICE_BALANCE_CONNECTIONS=false this test failed with [4, 8]); with balancing a worker above
+    (without balancing this test failed with [4, 8]); with balancing a worker above
     its share closes connections after answering until each holds 6."""
-    env = {"SERVICE_WORKERS": "2", "SERVICE_ENGINE_PROCESS": "false"}
+    env = {"SERVICE_WORKERS": "2"}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         pids = worker_pids(server.pid)
         one_connection_per_worker(server.port, pids)  # both workers accept by now

@@ -15,9 +15,9 @@ import pytest
 from engine_models import conv_relu_net
 from onnx import TensorProto, helper
 
-from service.runtime.autotune import Config, select_variant
+from service.runtime.tuner import Config, select_variant
 from service.runtime.engine import Engine
-from service.runtime.providers import cuda_status
+from service.runtime.device import cuda_status
 from service.settings import EngineSettings
 
 pytestmark = [
@@ -98,7 +98,7 @@ def test_rows_go_to_the_device_through_the_cuda_runtime(tiny_engine: Engine, tin
 
 
 def test_bucket_copies_without_direct_copy(tiny: onnx.ModelProto) -> None:
-    """SERVICE_ENGINE__DIRECT_COPY=false keeps ORT's whole-bucket update_inplace path, same answers."""
+    """Without the CUDA runtime the engine keeps ORT's whole-bucket update_inplace path, same answers."""
     settings = SETTINGS.model_copy(update={"buckets": (1, 8), "direct_copy": False})
     with Engine.load(tiny, settings, variant="tiny") as engine:
         assert engine.host_to_device == "bucket"
@@ -112,7 +112,7 @@ def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny:
     import shutil
     import tempfile
 
-    from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, buffer_folder, layout_of
+    from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, buffer_folder, layout_of
 
     tmp_path = Path(tempfile.mkdtemp(dir=buffer_folder()))
     feeds = feeds_for(tiny_engine, 5, seed=50)
@@ -174,7 +174,7 @@ def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
 ) -> None:
     """The whole split path on the GPU: graphless configurations timed in children, the split decided (forced
     here: any graphless configuration counts as faster), the record reused without timing."""
-    from service.runtime import autotune
+    from service.runtime import tuner as autotune
     from service.runtime.split_engine import SplitEngine
 
     monkeypatch.setattr(autotune, "SPLIT_MIN_GAIN", -10.0)
@@ -266,7 +266,7 @@ import json
 import numpy as np
 from service import zoo
 from service.optimizer import OptimizerConfig, optimize
-from service.runtime.autotune import Config, select_variant
+from service.runtime.tuner import Config, select_variant
 from service.runtime.engine import random_feeds
 from service.settings import EngineSettings
 

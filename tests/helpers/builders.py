@@ -1,7 +1,7 @@
 """Small ONNX models built in code for the security and reliability tests: good ones to serve, and the
 hostile ones of the hardening issue (external data, custom domains, memory bombs, deep nesting, ...).
 
-``HostCopies`` stands in for the CUDA runtime (service.runtime.cudart) on the CPU.
+``HostCopies`` stands in for the CUDA runtime (service.runtime.device) on the CPU.
 
 Every model sets ``ir_version`` 8 (ONNX Runtime 1.31 refuses onnx 1.23's default IR 14).
 """
@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from service.runtime.cudart import CudaError
+from service.runtime.device import CudaError
 
 OPSET = [helper.make_opsetid("", 17)]
 
@@ -326,7 +326,7 @@ def future_opset() -> bytes:
 
 
 class HostCopies:
-    """Stands in for service.runtime.cudart on the CPU: "device" memory is the CPU-bound OrtValue's."""
+    """Stands in for service.runtime.device on the CPU: "device" memory is the CPU-bound OrtValue's."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[int, int]] = []  # (destination, bytes)

@@ -47,9 +47,13 @@ def make_settings(tmp_path: Path, **overrides: object) -> ServiceSettings:
         "demo_model": False,
         "max_upload_mb": 2,
         "max_request_mb": 1,
-        "engine": {"device": "cpu", "buckets": (1, 2, 4, 8), "autotune": False},
-        "batching": {"max_batch_size": 8, "max_delay_ms": 1.0},
-        "optimizer": {"timeout_s": 60, "memory_limit_mb": 1024},
+        "device": "cpu",
+        "buckets": (1, 2, 4, 8),
+        "tune_budget_s": 0,
+        "max_batch_size": 8,
+        "max_delay_ms": 1.0,
+        "optimizer_timeout_s": 60,
+        "optimizer_memory_mb": 1024,
     }
     values.update(overrides)
     return ServiceSettings(**values)  # type: ignore[arg-type]

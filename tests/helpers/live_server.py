@@ -45,7 +45,7 @@ class Server:
         full_env.update(
             SERVICE_ADMIN_TOKEN=TOKEN,
             SERVICE_DEMO_MODEL="true" if demo else "false",
-            SERVICE_ENGINE__DEVICE="cpu",
+            SERVICE_DEVICE="cpu",
             SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
             SERVICE_LOG_LEVEL="info",
             PYTHONPATH=str(ROOT),

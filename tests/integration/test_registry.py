@@ -32,7 +32,7 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import ModelConfig
-from service.registry import ModelRegistry, ModelState
+from service.registry.manager import ModelRegistry, ModelState
 from service.runtime.loading import load_in_process
 from service.settings import BatchingSettings, EngineSettings, OptimizerSettings, ServiceSettings
 

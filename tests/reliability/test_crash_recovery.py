@@ -86,7 +86,7 @@ def test_kill_9_during_an_optimization(tmp_path: Path) -> None:
         thread = threading.Thread(target=lambda: _ignore_errors(upload, server.url, "m", big), daemon=True)
         thread.start()
         parent = psutil.Process(server.pid)
-        _wait_for(lambda: any("optimizer_worker" in " ".join(c.cmdline()) for c in parent.children()))
+        _wait_for(lambda: any("service.registry.sandbox" in " ".join(c.cmdline()) for c in parent.children()))
         children = parent.children(recursive=True)
         server.kill()
         _, alive = psutil.wait_procs(children, timeout=10)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from inprocess import AUTH, OCTET, assert_clean_error, make_settings, serve_app, upload
 
-from service import store as store_module
+from service.registry import store as store_module
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -64,7 +64,7 @@ async def test_enospc_gives_507_and_the_previous_version_keeps_serving(
     root = Path(settings.model_dir)
     async with serve_app(settings) as client:
         await upload(client, "m", V1)
-        registry = client.app.state.registry  # type: ignore[attr-defined]
+        registry = client.app.state.manager  # type: ignore[attr-defined]
         if where == "upload-body":
             # The staged upload is a link to /dev/full: every write of the body fails with ENOSPC.
             def full_staging_file() -> Path:

@@ -166,7 +166,7 @@ def test_sigterm_drains_in_flight_work_and_exits_within_the_grace_period(tmp_pat
         threads[0].start()
         parent = psutil.Process(server.pid)
         deadline = time.monotonic() + 60
-        while not any("optimizer_worker" in " ".join(c.cmdline()) for c in parent.children()):
+        while not any("service.registry.sandbox" in " ".join(c.cmdline()) for c in parent.children()):
             assert time.monotonic() < deadline, "the optimizer never started"
             time.sleep(0.02)
         children = parent.children(recursive=True)
@@ -209,7 +209,7 @@ def test_the_signal_handler_turns_readiness_off_at_once(tmp_path: Path) -> None:
     from inprocess import make_settings
 
     from service.api.app import create_app
-    from service.api.server import _Server, uvicorn_config
+    from service.server.run import _Server, uvicorn_config
 
     app = create_app(make_settings(tmp_path))
     lifecycle = app.state.lifecycle

@@ -23,7 +23,7 @@ import pytest
 from inprocess import AUTH, OCTET, TOKEN, assert_clean_error, assert_no_leak, make_settings, serve_app, upload
 
 from service.errors import InvalidModelError
-from service.optimizer_worker import _read_result, client_message
+from service.registry.sandbox import _read_result, client_message
 
 pytestmark = pytest.mark.anyio
 
@@ -161,7 +161,7 @@ async def test_no_endpoint_takes_a_filesystem_path(app: httpx.AsyncClient) -> No
 
 
 async def test_internal_failures_do_not_leak(app: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = app.app.state.registry  # type: ignore[attr-defined]
+    registry = app.app.state.manager  # type: ignore[attr-defined]
     secret = "/srv/secret/models/.staging/abc.part"
 
     async def failing_upload(*_: object, **__: object) -> None:

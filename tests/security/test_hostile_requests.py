@@ -183,7 +183,7 @@ async def test_client_disconnect_frees_its_queue_slot(app: httpx.AsyncClient) ->
     """A client that goes away while its request waits for a batch leaves the queue at once: the queue
     depth is back to 0 long before the 300 ms batch window would have ended."""
     asgi = app.app  # type: ignore[attr-defined]
-    mv = asgi.state.registry.get("batchy")
+    mv = asgi.state.manager.table.get("batchy")
     x = np.zeros((2, 3, 8, 8), np.float32)
     body = orjson.dumps({"model": "batchy", "inputs": {"input": x.tolist()}})
     messages = [{"type": "http.request", "body": body, "more_body": False}]

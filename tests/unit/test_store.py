@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
-from service.store import METADATA, ORIGINAL, ModelStore, cache_key, sha256_file
+from service.registry.store import METADATA, ORIGINAL, ModelStore, cache_key, sha256_file
 
 
 def stage(store: ModelStore, content: bytes) -> Path:

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from service.errors import BadRequestError, InvalidModelError
-from service.validation import MAX_GRAPH_DEPTH, model_signature, validate_model, validate_model_name
+from service.registry.acceptance import MAX_GRAPH_DEPTH, model_signature, validate_model, validate_model_name
 
 OPSET = [helper.make_opsetid("", 17)]
 

@@ -272,6 +272,6 @@ async def test_restart_serves_the_same_answers(tmp_path: Path, tiny_bytes: bytes
         await upload(first, "keep", tiny_bytes)
         before = await _logits(first, "keep", x)
     async with serve_app(settings) as second:
-        assert second.app.state.registry.optimizations == 0  # type: ignore[attr-defined]
+        assert second.app.state.manager.optimizations == 0  # type: ignore[attr-defined]
         after = await _logits(second, "keep", x)
     np.testing.assert_array_equal(before, after)

@@ -142,10 +142,13 @@ async def test_unknown_routes_and_methods(
     assert set(r.json()) == {"error"}
 
 
-async def test_validation_error_names_the_field(shared: httpx.AsyncClient) -> None:
-    r = await shared.post("/predict", params={"version": "abc"}, json={"inputs": {"input": [1]}})
-    assert r.status_code == 422
-    assert "version" in r.json()["error"]
+@pytest.mark.parametrize("version", ["abc", "1.0", "+1", " 1", "01", "1_0", "0", "-1", "9" * 19])
+async def test_a_version_is_parsed_strictly_on_every_route(shared: httpx.AsyncClient, version: str) -> None:
+    """/predict's query parameter follows the /v2 routes' rule: [1-9][0-9]*, one 400 text for both."""
+    predict = await shared.post("/predict", params={"version": version}, json={"inputs": {"input": [1]}})
+    v2 = await shared.get(f"/v2/models/tiny/versions/{version}")
+    assert (predict.status_code, v2.status_code) == (400, 400), (predict.text, v2.text)
+    assert predict.json()["error"] == v2.json()["error"] == "model version must be a positive integer"
 
 
 @pytest.mark.parametrize(
@@ -167,7 +170,7 @@ async def test_failures_while_running_map_to_clean_answers(
     body: str,
 ) -> None:
     """Faults injected into the real model version (the batcher's own tests show when each happens)."""
-    mv = shared.app.state.registry.get("tiny")  # type: ignore[attr-defined]
+    mv = shared.app.state.manager.table.get("tiny")  # type: ignore[attr-defined]
 
     async def failing(*_: object, **__: object) -> None:
         raise error

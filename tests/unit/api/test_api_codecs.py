@@ -13,7 +13,7 @@ import pytest
 
 from service.api import bodies, codecs
 from service.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
-from service.runtime.types import NUMPY_TO_KSERVE, TensorSpec
+from service.runtime.contract import NUMPY_TO_KSERVE, TensorSpec
 
 SPECS_IN = [
     TensorSpec("img", np.dtype(np.float32), (None, 2, 3)),

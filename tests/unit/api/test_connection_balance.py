@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from service.api.connection_balance import BalanceMiddleware, ConnectionBalancer
+from service.server.balance import BalanceMiddleware, ConnectionBalancer
 
 
 class _Clock:

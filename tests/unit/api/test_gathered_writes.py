@@ -9,8 +9,8 @@ import httpx
 import pytest
 import uvicorn
 
-from service.api.gathered_writes import GatheredWrites, GatheredWritesProtocol
-from service.api.server import uvicorn_config
+from service.server.transport import GatheredWrites, GatheredWritesProtocol
+from service.server.run import uvicorn_config
 from service.settings import ServiceSettings
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.api.server import configure_process
+from service.server.run import configure_process
 from service.settings import ServiceSettings
 
 
@@ -29,7 +29,7 @@ def test_settings_refuse_a_zero_switch_interval() -> None:
 FAULTS_CHILD = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from service.heap import keep_freed_memory
+from service.server.process import keep_freed_memory
 applied = keep_freed_memory({keep_mb})
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -70,7 +70,7 @@ def test_kept_heap_memory_stops_page_faults_for_request_sized_buffers() -> None:
 
 
 def test_configure_process_applies_the_heap_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    import service.api.server as server
+    import service.server.run as server
 
     seen: list[int] = []
     monkeypatch.setattr(server, "keep_freed_memory", seen.append)
@@ -83,7 +83,7 @@ def test_configure_process_applies_the_heap_setting(monkeypatch: pytest.MonkeyPa
 
 
 def test_zero_leaves_the_heap_alone() -> None:
-    from service.heap import keep_freed_memory
+    from service.server.process import keep_freed_memory
 
     assert keep_freed_memory(0) is False
 
@@ -113,7 +113,7 @@ def restore_body_buffer():
 
 
 def test_body_buffer_reaches_both_uvicorn_protocols(restore_body_buffer) -> None:
-    from service.api.server import set_body_buffer
+    from service.server.run import set_body_buffer
 
     httptools_impl, h11_impl = restore_body_buffer
     changed = set_body_buffer(123_456)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from service.api.workers import reserve_port, reuseport_socket
+from service.server.supervisor import reserve_port, reuseport_socket
 
 
 def test_a_port_already_served_with_reuseport_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""service.runtime.cudart without a GPU: finding the mapped library, binding calls, turning errors into CudaError."""
+"""service.runtime.device without a GPU: finding the mapped library, binding calls, turning errors into CudaError."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from service.runtime import cudart
+from service.runtime import device as cudart
 
 MAPS = """\
 7f0000000000-7f0000001000 r--p 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libc.so.6

@@ -16,9 +16,10 @@ from builders import with_row_copies
 from onnx import TensorProto, helper, numpy_helper
 
 from service.errors import EngineError, InvalidInputError
-from service.runtime import cudart, providers
+from service.runtime import device as cudart
+from service.runtime import device as providers
 from service.runtime.engine import Engine, signature
-from service.runtime.providers import cuda_status
+from service.runtime.device import cuda_status
 from service.settings import EngineSettings
 
 CPU_SETTINGS = EngineSettings(device="cpu", buckets=(1, 2, 4, 8))

@@ -22,10 +22,10 @@ from builders import reference, tiny_cnn, with_row_copies
 
 from service.errors import EngineError, InvalidInputError
 from service.runtime.engine import Engine
-from service.runtime.engine_host import EngineHost, HostAddress, LoadRequest, load_request_in_process
-from service.runtime.remote_engine import RemoteEngineLoader
-from service.runtime.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
-from service.runtime.types import TensorSpec
+from service.runtime.engine_process.host import EngineHost, HostAddress, LoadRequest, load_request_in_process
+from service.runtime.engine_process.client import RemoteEngineLoader
+from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
+from service.runtime.contract import TensorSpec
 from service.settings import EngineSettings
 
 CPU = EngineSettings(device="cpu", buckets=(1, 2, 4, 8))
@@ -264,7 +264,7 @@ def _queued(host: EngineHost, jobs: int) -> None:
 def test_a_silent_engine_process_and_a_second_caller_get_clear_errors(
     folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.runtime import remote_engine
+    from service.runtime.engine_process import client as remote_engine
 
     fake = _GatedEngine()
     with _hosting(folder, loader=_fake_loader(fake)):
@@ -374,7 +374,7 @@ def test_an_unexpected_error_on_the_runner_thread_fails_its_batch_not_the_runner
 ) -> None:
     """A bug past the engine's own error handling: the workers of that batch get an EngineError (a 500)
     at once instead of waiting, and the runner serves the next batch."""
-    from service.runtime.engine_host import HostedEngine
+    from service.runtime.engine_process.host import HostedEngine
 
     fake = _GatedEngine()
     fake.gate.set()
@@ -474,7 +474,7 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
 
 def test_only_an_engine_that_copies_rows_itself_gets_buffers_page_locked(model_file: Path) -> None:
     """The CPU provider (or CUDA with direct_copy off) copies through ORT: nothing to page-lock for it."""
-    from service.runtime.engine_host import HostedEngine
+    from service.runtime.engine_process.host import HostedEngine
 
     with Engine.load(model_file.read_bytes(), CPU, _io_binding_on_cpu=True) as engine:
         hosted = HostedEngine("k", engine, {}, 8)

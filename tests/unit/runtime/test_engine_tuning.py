@@ -13,12 +13,12 @@ import pytest
 from engine_models import conv_relu_net
 from onnx import TensorProto
 
-from service.runtime import autotune
-from service.runtime.autotune import Config, select_variant
+from service.runtime import tuner as autotune
+from service.runtime.tuner import Config, select_variant
 from service.runtime.child import ChildProcessFailed
 from service.runtime.engine import Engine
 from service.runtime.precision import check_fp16, to_fp16
-from service.runtime.providers import cuda_status
+from service.runtime.device import cuda_status
 from service.settings import EngineSettings
 
 CPU = EngineSettings(device="cpu", buckets=(1, 2, 4))
@@ -252,7 +252,7 @@ def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
 
 
 def test_cuda_options_ask_for_conv_bias_fusion_only_when_set() -> None:
-    from service.runtime.providers import cuda_provider_options
+    from service.runtime.device import cuda_provider_options
 
     plain = cuda_provider_options(EngineSettings(), prefer_nhwc=True, cuda_graph=True)
     assert "fuse_conv_bias" not in plain

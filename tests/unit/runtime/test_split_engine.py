@@ -14,8 +14,8 @@ import onnxruntime as ort
 import pytest
 from engine_models import conv_relu_net
 
-from service.runtime import autotune
-from service.runtime.autotune import Config
+from service.runtime import tuner as autotune
+from service.runtime.tuner import Config
 from service.runtime.engine import Engine
 from service.runtime.split_engine import SplitEngine
 from service.settings import EngineSettings

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from service.errors import ServiceError
 
-from .codecs import dumps
+from .codecs import json_response
 
 log = logging.getLogger("service.api")
 
@@ -26,8 +26,7 @@ CLIENT_CLOSED = 499
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    body = dumps({"error": message})
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    return json_response({"error": message}, status, headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:

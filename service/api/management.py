@@ -5,7 +5,7 @@ because they reveal only signatures and optimization reports (never a server pat
 
 Uploads are streamed: the raw body (``application/octet-stream``) or the ``file`` field of a multipart
 form (parsed incrementally; Starlette's form parser would spool the whole file first) goes chunk by
-chunk into ``registry.new_staging_file()``, with the size limit checked as bytes arrive. The optional
+chunk into a staging file in the store, with the size limit checked as bytes arrive. The optional
 per-model config (JSON of ``ModelConfig``) comes as the ``config`` query parameter, the
 ``X-Model-Config`` header or the multipart ``config`` field; the first two are checked before a single
 body byte is read.
@@ -13,24 +13,22 @@ body byte is read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from service.errors import BadRequestError, NotFoundError, UnprocessableError, UnsupportedMediaTypeError
+from service.dataplane import check_name, describe_version, version_summaries
+from service.errors import BadRequestError, UnprocessableError, UnsupportedMediaTypeError
 from service.model_config import ModelConfig
 
 from .auth import require_admin
 from .bodies import MIB, stream_multipart_upload, stream_raw_upload
-from .codecs import dumps, format_validation_error
-from .deps import check_name, metrics_of, parse_version, registry_of, settings_of
+from .codecs import format_validation_error, json_response
+from .deps import dataplane_of, settings_of
 from .schemas import ErrorBody
-
-if TYPE_CHECKING:
-    from service.registry import ModelVersion
 
 router = APIRouter(tags=["models"])
 
@@ -68,33 +66,6 @@ _UPLOAD_OPENAPI = {
         }
     ],
 }
-
-
-def json_response(doc: Any, status: int = 200) -> Response:
-    return Response(dumps(doc), status_code=status, media_type="application/json")
-
-
-# ------------------------------------------------------------------ descriptions
-def _looks_like_path(value: str) -> bool:
-    return value.startswith(("/", "~", "\\")) or ":\\" in value[:4]
-
-
-def _public(value: Any) -> Any:
-    """Metadata without anything that looks like a server path (defence in depth: none should be there)."""
-    if isinstance(value, dict):
-        return {k: _public(v) for k, v in value.items() if not (isinstance(v, str) and _looks_like_path(v))}
-    if isinstance(value, list):
-        return [_public(v) for v in value if not (isinstance(v, str) and _looks_like_path(v))]
-    return value
-
-
-def describe_version(mv: ModelVersion) -> dict[str, Any]:
-    """Signature, state, config, sha256, time, engine choice and optimization report of a version."""
-    return _public(mv.describe())
-
-
-def _summary(mv: ModelVersion) -> dict[str, Any]:
-    return {"version": mv.version, "state": mv.state.value, "error": mv.error}
 
 
 # ------------------------------------------------------------------ config
@@ -144,9 +115,9 @@ async def upload_model(
     if (request.headers.get("content-encoding") or "identity").lower() != "identity":
         raise UnsupportedMediaTypeError("compressed uploads are not supported")
     model_config = _early_config(config, request.headers.get(CONFIG_HEADER))
-    registry = registry_of(request)
+    dataplane = dataplane_of(request)
     limit = settings_of(request).max_upload_mb * MIB
-    staged = registry.new_staging_file()
+    staged = dataplane.new_staging_file()
     try:
         if media == MULTIPART:
             form_config = await stream_multipart_upload(request, staged, limit)
@@ -159,25 +130,20 @@ async def upload_model(
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
-    mv = await registry.upload(name, staged, model_config or ModelConfig())
+    mv = await dataplane.upload(name, staged, model_config or ModelConfig())
     return json_response(describe_version(mv), status=201)
 
 
 @router.get("/v1/models", summary="All models and their versions")
 async def list_models(request: Request) -> Response:
-    registry = registry_of(request)
-    models = []
-    for name in sorted(registry.names()):
-        versions = sorted(registry.versions(name), key=lambda v: v.version)
-        models.append({"name": name, "versions": [_summary(v) for v in versions]})
+    models = [{"name": name, "versions": version_summaries(versions)}
+              for name, versions in dataplane_of(request).models()]
     return json_response({"models": models})
 
 
 @router.get("/v1/models/{name}", summary="One model: versions, signature, report, engine", responses=_ERRORS)
 async def get_model(request: Request, name: str) -> Response:
-    versions = sorted(registry_of(request).versions(check_name(name)), key=lambda v: v.version)
-    if not versions:
-        raise NotFoundError(f"model {name!r} not found")
+    versions = dataplane_of(request).versions(name)
     return json_response({"name": name, "versions": [describe_version(v) for v in versions]})
 
 
@@ -188,8 +154,5 @@ async def get_model(request: Request, name: str) -> Response:
     responses=_ERRORS,
 )
 async def delete_version(request: Request, name: str, version: str) -> Response:
-    number = parse_version(version)
-    assert number is not None
-    await registry_of(request).delete(check_name(name), number)
-    metrics_of(request).forget_version(name, number)
+    number = await dataplane_of(request).delete(name, version)
     return json_response({"name": name, "version": number, "deleted": True})

@@ -1,6 +1,6 @@
 """Tensors handed between processes through a memory-mapped file instead of a pipe.
 
-Why: the engine process (``service.runtime.engine_host``) runs the batches of every HTTP worker. A
+Why: the engine process (``runtime.engine_process.host``) runs the batches of every HTTP worker. A
 batch of 32 images is 19 MB; pickled through a socket it would be copied four times (pickle, send,
 receive, unpickle). A file in a private folder on ``/dev/shm`` (RAM; the system temp folder where there is
 none), mapped by both processes, carries it with one copy in and one copy out, and only a few bytes of
@@ -20,9 +20,10 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
+
+from service.runtime.contract import PageLocker
 
 ALIGN = 64
 """Each tensor starts on a 64-byte boundary (a cache line; what SIMD copies like)."""
@@ -174,19 +175,11 @@ class GrowingBuffer:
             self.current = None
 
 
-class PageLocker(Protocol):
-    """Page-locks memory for DMA (an Engine on CUDA: ``Engine.page_lock``)."""
-
-    def page_lock(self, address: int, nbytes: int) -> bool: ...
-
-    def page_unlock(self, address: int) -> None: ...
-
-
 class AttachedBuffers:
     """The latest buffer another process made, mapped here by path (mapped again when its path changes).
 
     With a ``locker`` every mapping is page-locked while it is mapped here, so the engine's copies from it
-    to the GPU are DMA (see ``service.runtime.cudart``)."""
+    to the GPU are DMA (see ``runtime.device``)."""
 
     def __init__(self, folder: Path, locker: PageLocker | None = None) -> None:
         self.folder = Path(folder).resolve()
@@ -216,6 +209,4 @@ class AttachedBuffers:
         self.current = None
 
 
-__all__ = [
-    "ALIGN", "AttachedBuffers", "GrowingBuffer", "Layout", "PageLocker", "SharedBuffer", "buffer_folder", "layout_of",
-]
+__all__ = ["ALIGN", "AttachedBuffers", "GrowingBuffer", "Layout", "SharedBuffer", "buffer_folder", "layout_of"]

@@ -7,7 +7,7 @@ a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, su
 failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
-Protocol: ``python -m service.optimizer_worker INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
+Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
 --memory-limit-mb N``. The child writes the optimized variants into OUT_DIR (``optimized.onnx``, and
 ``optimized-plain.onnx`` when FusedConv changed the graph) and ``result.json`` last. The parent reads
 only ``result.json``; a missing or unreadable one means the child crashed.
@@ -76,8 +76,8 @@ class OptimizeOutcome:
     out_dir: Path
     sha256: str
     size: int
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
+    signature: dict[str, Any]
+    """``Signature.to_dict()`` of the uploaded model."""
     variants: dict[str, dict[str, Any]]
     """variant name ("fused" / "plain") -> {"file": artifact file name, "report": OptimizationReport dict}"""
     duration_s: float
@@ -142,7 +142,7 @@ class OptimizerRunner:
     ) -> OptimizeOutcome:
         started = time.monotonic()
         command = [
-            sys.executable, "-m", "service.optimizer_worker", str(source), str(out_dir),
+            sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
             "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
             "--memory-limit-mb", str(self.memory_limit_mb),
         ]  # fmt: skip
@@ -185,7 +185,7 @@ class OptimizerRunner:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    project_root = str(Path(__file__).resolve().parent.parent)
+    project_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, env.get("PYTHONPATH", "")) if p)
     # Few malloc arenas and few threads keep the reserved address space close to what is really used.
     env.setdefault("MALLOC_ARENA_MAX", "2")
@@ -230,8 +230,7 @@ def _read_result(
         out_dir=out_dir,
         sha256=result["sha256"],
         size=result["size"],
-        inputs=result["inputs"],
-        outputs=result["outputs"],
+        signature=result["signature"],
         variants=result["variants"],
         duration_s=duration_s,
     )
@@ -243,7 +242,7 @@ def client_message(text: str, *private: Path | None) -> str:
     ``/onnxruntime_src/...cc:123``) carry, and bounded in length."""
     folders = {str(p) for p in private if p is not None}
     folders |= {str(p.parent) for p in private if p is not None}
-    folders |= {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parent.parent)}
+    folders |= {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[2])}
     for folder in sorted((f for f in folders if len(f) > 1), key=len, reverse=True):
         text = re.sub(re.escape(folder) + r"[^\s'\"]*", "<file>", text)
     text = _SIGNATURE_RE.sub("", _SOURCE_PATH_RE.sub("", text)).strip()
@@ -274,10 +273,6 @@ def _limit_resources(memory_limit_mb: int) -> None:
             os._exit(1)
 
 
-def _spec_dict(spec: Any) -> dict[str, Any]:
-    return {"name": spec.name, "dtype": spec.dtype.str, "shape": list(spec.shape)}
-
-
 def _fused_conv_count(model: Any) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "FusedConv" and n.domain == "com.microsoft")
 
@@ -287,14 +282,15 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
 
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
-    from service.validation import model_signature, validate_model
+    from service.registry.acceptance import validate_model
+    from service.runtime.contract import Signature
 
     data = source.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     model = parse_model_bytes(data)
     del data
     validate_model(model)
-    inputs, outputs = model_signature(model)
+    signature = Signature.from_onnx(model)
     variants: dict[str, dict[str, Any]] = {}
     first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify))
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
@@ -313,8 +309,7 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
         "ok": True,
         "sha256": digest,
         "size": source.stat().st_size,
-        "inputs": [_spec_dict(s) for s in inputs],
-        "outputs": [_spec_dict(s) for s in outputs],
+        "signature": signature.to_dict(),
         "variants": variants,
     }
 
@@ -367,7 +362,7 @@ def _failure(exc: BaseException) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.optimizer_worker")
+    parser = argparse.ArgumentParser(prog="python -m service.registry.sandbox")
     parser.add_argument("source", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)

@@ -5,7 +5,7 @@ path traversal through ONNX external data (CVE-2022-25882, CVE-2024-27318 and sy
 NO external data anywhere, so no file outside the upload is ever opened), custom-domain ops that would load
 native code or hit unreviewed kernels (only the standard and ONNX Runtime domains are allowed), absurd
 nesting of subgraphs (stack exhaustion) and absurd declared shapes. Memory bombs in foldable constants are
-handled by running the optimizer in a resource-limited child process (``service.optimizer_worker``); the
+handled by running the optimizer in a resource-limited child process (``registry.sandbox``); the
 ones that only go off for some request values (``ConstantOfShape`` of a number taken from the input) are
 refused here, because they would go off in the server itself, at inference time (see ``SIZE_INPUTS``).
 
@@ -22,16 +22,14 @@ from collections.abc import Iterator, Sequence
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from service.errors import BadRequestError, InvalidModelError
-from service.runtime.types import ONNX_TO_NUMPY, TensorSpec
+from service.errors import BadRequestError, InvalidModelError, printable
+from service.runtime.contract import MAX_FIXED_ELEMENTS, ONNX_TO_NUMPY
 
 ALLOWED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
 MAX_GRAPH_DEPTH = 8
 """Deepest accepted nesting of subgraphs (If/Loop/Scan bodies); the main graph is depth 0."""
 MAX_NODES = 200_000
 MAX_RANK = 8
-MAX_FIXED_ELEMENTS = 1 << 28
-"""Largest product of the fixed dims of one input (2**28 float32 = 1 GiB)."""
 MIN_DEFAULT_OPSET = 7
 SIZE_INPUTS: dict[str, tuple[int, ...]] = {
     "ConstantOfShape": (0,),
@@ -62,7 +60,8 @@ process limits it. Depending on input *shapes* (through Shape/Size) is fine: the
 bound those, and verification has run the model at small batch sizes under the optimizer's limits."""
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", re.ASCII)
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME_RE = re.compile(MODEL_NAME_PATTERN.strip("^$"), re.ASCII)
 NAME_RULE = "1-64 characters: letters, digits, '_', '.', '-', starting with a letter or digit, no '..'"
 
 
@@ -95,11 +94,6 @@ def validate_model(model: onnx.ModelProto) -> None:
     _check_value_dependent_sizes(model)
 
 
-def model_signature(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs (initializers excluded) and outputs of the main graph; ``None`` for dynamic dims."""
-    return [_spec(v) for v in _real_inputs(model.graph)], [_spec(v) for v in model.graph.output]
-
-
 # ---------------------------------------------------------------------- domains and functions
 
 
@@ -108,7 +102,7 @@ def _check_opset_imports(model: onnx.ModelProto, function_domains: set[str]) -> 
         raise InvalidModelError("not an ONNX model: no opset import")
     for opset in model.opset_import:
         if opset.domain not in ALLOWED_DOMAINS and opset.domain not in function_domains:
-            domain = _short(opset.domain)
+            domain = printable(opset.domain)
             raise InvalidModelError(f"operator domain {domain!r} is not allowed; " + _domains_hint())
         newest = onnx.defs.onnx_opset_version()
         if opset.domain in ("", "ai.onnx") and not MIN_DEFAULT_OPSET <= opset.version <= newest:
@@ -150,7 +144,7 @@ def _all_graphs(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.GraphProto, 
     for function in model.functions:
         wrapper = onnx.GraphProto(name=function.name)
         wrapper.node.extend(function.node)
-        stack.append((f"function {_short(function.name)!r}", wrapper, 1))
+        stack.append((f"function {printable(function.name)!r}", wrapper, 1))
     while stack:
         where, graph, depth = stack.pop()
         yield where, graph, depth
@@ -160,19 +154,19 @@ def _all_graphs(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.GraphProto, 
             for attr in node.attribute:
                 subgraphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
                 for sub in subgraphs:
-                    stack.append((f"subgraph of node {_short(node.name or node.op_type)!r}", sub, depth + 1))
+                    stack.append((f"subgraph of node {printable(node.name or node.op_type)!r}", sub, depth + 1))
 
 
 def _check_graph(graph: onnx.GraphProto, where: str, functions: set[tuple[str, str]]) -> None:
     for tensor in graph.initializer:
-        _no_external_data(tensor, f"initializer {_short(tensor.name)!r} ({where})")
+        _no_external_data(tensor, f"initializer {printable(tensor.name)!r} ({where})")
     for sparse in graph.sparse_initializer:
         _no_external_sparse(sparse, f"sparse initializer ({where})")
     for node in graph.node:
-        label = f"node {_short(node.name or node.op_type)!r} ({where})"
+        label = f"node {printable(node.name or node.op_type)!r} ({where})"
         if node.domain not in ALLOWED_DOMAINS and (node.domain, node.op_type) not in functions:
             raise InvalidModelError(
-                f"{label} uses operator {_short(node.op_type)!r} of domain {_short(node.domain)!r}; "
+                f"{label} uses operator {printable(node.op_type)!r} of domain {printable(node.domain)!r}; "
                 + _domains_hint()
             )
         for attr in node.attribute:
@@ -180,7 +174,7 @@ def _check_graph(graph: onnx.GraphProto, where: str, functions: set[tuple[str, s
 
 
 def _check_attribute(attr: AttributeProto, label: str) -> None:
-    what = f"attribute {_short(attr.name)!r} of {label}"
+    what = f"attribute {printable(attr.name)!r} of {label}"
     if attr.HasField("t"):
         _no_external_data(attr.t, what)
     for tensor in attr.tensors:
@@ -214,7 +208,7 @@ def _check_value_dependent_sizes(model: onnx.ModelProto) -> None:
     tainted = {v.name for v in _real_inputs(model.graph)}
     _taint_nodes(model.graph.node, tainted, "main graph")
     for function in model.functions:  # conservatively: every formal input may carry request values
-        _taint_nodes(function.node, set(function.input), f"function {_short(function.name)!r}")
+        _taint_nodes(function.node, set(function.input), f"function {printable(function.name)!r}")
 
 
 def _taint_nodes(nodes: Sequence[onnx.NodeProto], tainted: set[str], where: str) -> None:
@@ -230,14 +224,14 @@ def _taint_nodes(nodes: Sequence[onnx.NodeProto], tainted: set[str], where: str)
             for sub in [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs):
                 if from_values:
                     tainted.update(v.name for v in sub.input)
-                _taint_nodes(sub.node, tainted, f"subgraph of node {_short(node.name or node.op_type)!r}")
+                _taint_nodes(sub.node, tainted, f"subgraph of node {printable(node.name or node.op_type)!r}")
                 from_values = from_values or any(v.name in tainted for v in sub.output)
         if from_values and not (standard and node.op_type in _SHAPE_ONLY_OPS):
             tainted.update(name for name in node.output if name)
 
 
 def _check_size_inputs(node: onnx.NodeProto, tainted: set[str], where: str) -> None:
-    label = f"node {_short(node.name or node.op_type)!r} ({where})"
+    label = f"node {printable(node.name or node.op_type)!r} ({where})"
     if node.op_type == "Loop" and (not node.input or not node.input[0]):
         raise InvalidModelError(f"{label}: a Loop needs a trip count (while-loops are not accepted)")
     for index in SIZE_INPUTS.get(node.op_type, ()):
@@ -271,7 +265,7 @@ def _check_signature(graph: onnx.GraphProto) -> None:
 
 
 def _check_tensor_value(value: onnx.ValueInfoProto, kind: str) -> None:
-    label = f"{kind} {_short(value.name)!r}"
+    label = f"{kind} {printable(value.name)!r}"
     if not value.name:
         raise InvalidModelError(f"an {kind} has no name")
     if not value.type.HasField("tensor_type"):
@@ -283,7 +277,7 @@ def _check_tensor_value(value: onnx.ValueInfoProto, kind: str) -> None:
 
 
 def _check_input_dims(value: onnx.ValueInfoProto) -> None:
-    label = f"input {_short(value.name)!r}"
+    label = f"input {printable(value.name)!r}"
     tensor_type = value.type.tensor_type
     if not tensor_type.HasField("shape"):
         raise InvalidModelError(f"{label} has no declared shape (rank)")
@@ -300,12 +294,6 @@ def _check_input_dims(value: onnx.ValueInfoProto) -> None:
         raise InvalidModelError(f"{label} declares more than {MAX_FIXED_ELEMENTS} elements")
 
 
-def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
-    tensor_type = value.type.tensor_type
-    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
-    return TensorSpec(value.name, ONNX_TO_NUMPY[tensor_type.elem_type], dims)
-
-
 # ---------------------------------------------------------------------- the ONNX checker
 
 
@@ -319,9 +307,3 @@ def _run_checker(model: onnx.ModelProto) -> None:
         text = str(exc).strip()
         first_line = text.splitlines()[0] if text else type(exc).__name__
         raise InvalidModelError(f"the ONNX checker refused the model: {first_line[:300]}") from exc
-
-
-def _short(text: str, limit: int = 64) -> str:
-    """Names from an uploaded model, shortened and made printable for error messages."""
-    clean = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
-    return clean + ("..." if len(text) > limit else "")

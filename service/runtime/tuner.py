@@ -1,20 +1,19 @@
 """Pick the fastest variant of a model by measuring it on the GPU it will serve on.
 
-Why measure: on an H200, FusedConv made ResNet-50 slower under CUDA graphs (1.22 ms against 0.91, and
-0.71 with prefer_nhwc) but MobileNetV3 slightly faster (../shared/anchors.md); NHWC helps plain
-convolutions and hurts FusedConv (transposes). No rule of thumb survives a new GPU or ORT version.
+Why measure: on an H200, FusedConv made ResNet-50 slower under CUDA graphs (1.22 ms against 0.91, and 0.71 with
+prefer_nhwc) but MobileNetV3 slightly faster (docs/benchmarks.md); NHWC helps plain convolutions and hurts
+FusedConv (transposes). No rule of thumb survives a new GPU or ORT version.
 
-How: each candidate graph x prefer_nhwc on/off (settings.prefer_nhwc "auto") x fuse_conv_bias on/off
-(settings.fuse_conv_bias "auto"; graphs without FusedConv only, which already carries its bias) x
-precision (fp32, fp16 or both for "auto") is loaded with the buckets {1, largest} only, warmed (that is the engine's own
-warm-up), and timed at batch 1 and, while the budget lasts, at the largest bucket. Configurations are
-compared by the geometric mean of their time ratios over the batch sizes both were timed at. fp16 is
-verified against fp32 first (precision.check_fp16) and dropped if it fails. The winner is reloaded
-with every bucket (unless the tuning buckets were already all of them) and the losers are closed.
-The record (choice, timings, GPU name, ORT version) is JSON-able; the store keeps it in the model's
-metadata, and a later load on the same GPU and ORT version passes it back as ``cached_choice`` to skip
-timing. On the CPU provider nothing is timed: "fused" is taken when present (FusedConv is ORT's own
-CPU fusion, so it never hurts there).
+How: each candidate graph x prefer_nhwc on/off x fuse_conv_bias on/off (graphs without FusedConv only, which
+already carries its bias) x precision (fp32, fp16 or both for "auto") is loaded with the buckets {1, largest} only,
+warmed (that is the engine's own warm-up), and timed at batch 1 and, while the budget lasts, at the largest bucket.
+Configurations are compared by the geometric mean of their time ratios over the batch sizes both were timed at.
+fp16 is verified against fp32 first (precision.check_fp16) and dropped if it fails. The winner is reloaded with
+every bucket (unless the tuning buckets were already all of them) and the losers are closed. The record (choice,
+timings, GPU name, ORT version) is JSON-able; the store keeps it in the model's metadata, and a later load on the
+same GPU and ORT version passes it back as ``cached_choice`` to skip timing. On the CPU provider nothing is timed:
+"fused" is taken when present (FusedConv is ORT's own CPU fusion, so it never hurts there). The timing helpers
+(``time_batch``, ``time_calls``) live here too: the benchmarks use the tuner's own measure.
 """
 
 from __future__ import annotations
@@ -23,19 +22,20 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
-from service.errors import ServiceError
+from service.errors import ServiceError, first_line
 from service.runtime.child import run_in_child
-from service.runtime.engine import Engine
+from service.runtime.contract import EngineOptions
+from service.runtime.device import gpu_name, resolve_device
+from service.runtime.engine import OrtEngine
 from service.runtime.precision import check_fp16, to_fp16
-from service.runtime.providers import gpu_name, resolve_device
 from service.runtime.split_engine import SplitEngine
-from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +76,17 @@ def _has_fused_conv(model: onnx.ModelProto) -> bool:
 
 
 def _configs(
-    candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, precision: str
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
 ) -> list[Config]:
     """Every combination to time, the likeliest winners first (they survive a short budget)."""
-    layouts = [True, False] if settings.prefer_nhwc == "auto" else [settings.prefer_nhwc == "on"]
+    layouts = [True, False]
     names = sorted(candidates, key=lambda n: (_has_fused_conv(candidates[n]), n))
     fp16_names = [n for n in names if not _has_fused_conv(candidates[n])] or names
     configs = []
     for prec in PRECISIONS[precision]:
         for name in fp16_names if prec == "fp16" else names:
             for nhwc in layouts:
-                configs.extend(Config(name, nhwc, prec, bias) for bias in _bias_options(candidates[name], settings))
+                configs.extend(Config(name, nhwc, prec, bias) for bias in _bias_options(candidates[name]))
     if not settings.cuda_graph:  # every configuration runs without graphs
         return [dataclasses.replace(c, cuda_graph=False) for c in configs]
     large = _large_batch_configs(configs, candidates, settings)
@@ -97,7 +97,7 @@ def _configs(
 
 
 def _large_batch_configs(
-    configs: list[Config], candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings
+    configs: list[Config], candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions
 ) -> list[Config]:
     """Configurations without CUDA graphs, timed last, for the large buckets only (see split_engine).
 
@@ -117,16 +117,14 @@ def _large_batch_configs(
     return sorted(large, key=lambda c: (c.precision != "fp16", not c.fuse_conv_bias))
 
 
-def _splits(settings: EngineSettings) -> bool:
-    """Whether large buckets may go to a second engine: asked for, and there are buckets that large."""
-    return settings.split_large_buckets and max(settings.buckets) >= SPLIT_MIN_BUCKET
+def _splits(settings: EngineOptions) -> bool:
+    """Whether large buckets may go to a second engine: there are buckets that large."""
+    return max(settings.buckets) >= SPLIT_MIN_BUCKET
 
 
-def _bias_options(model: onnx.ModelProto, settings: EngineSettings) -> list[bool]:
+def _bias_options(model: onnx.ModelProto) -> list[bool]:
     """fuse_conv_bias values to time: off first (the long-measured default), on only where a plain Conv
     carries a bias of its own (FusedConv adds its bias inside cuDNN's fused call already)."""
-    if settings.fuse_conv_bias != "auto":
-        return [settings.fuse_conv_bias == "on"]
     return [False] if _has_fused_conv(model) else [False, True]
 
 
@@ -155,11 +153,11 @@ class _Results:
 
 
 def _time_configs(
-    candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, configs: list[Config], budget_s: float
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float
 ) -> _Results:
     """Time each configuration in a fresh child process, within the budget (the first always runs)."""
     deadline = time.monotonic() + budget_s
-    tune_settings = settings.model_copy(update={"buckets": _tuning_buckets(settings)}).model_dump()
+    tune_settings = settings.replace(buckets=_tuning_buckets(settings)).to_dict()
     payload = {name: model.SerializeToString() for name, model in candidates.items()}
     results, per_config_s = _Results(), 0.0
     graph_faults: dict[str, str] = {}  # precision -> the graph configuration that faulted the GPU
@@ -202,7 +200,7 @@ def _gpu_fault(error: str) -> bool:
     return "CUDA failure" in error or "cuda_graph" in error
 
 
-def _tuning_buckets(settings: EngineSettings) -> tuple[int, ...]:
+def _tuning_buckets(settings: EngineOptions) -> tuple[int, ...]:
     return tuple(sorted({1, max(settings.buckets)}))
 
 
@@ -211,22 +209,22 @@ def _time_config_child(
 ) -> dict[str, Any]:
     """Child-process body: load one configuration (fp16: check it against fp32 first), time it, close it."""
     config = Config(**config_data)
-    settings = EngineSettings(**settings_data)
+    settings = EngineOptions.from_dict(settings_data)
     source = onnx.load_from_string(model_data)
     outcome: dict[str, Any] = {}
     with _load_model(source, config, settings) as engine:
         if config.precision == "fp16":
-            cpu = settings.model_copy(update={"device": "cpu", "buckets": (2,)})
-            with Engine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
+            cpu = settings.replace(device="cpu", buckets=(2,))
+            with OrtEngine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
                 check = check_fp16(engine, reference, batch=2, trials=2)
             outcome["fp16_check"] = check.to_dict()
             if not check.ok:
                 outcome["skipped"] = f"fp16 check failed: {check.reason}"
                 return outcome
-        timing = {"1": engine.time_batch(1, runs=_B1_RUNS, max_s=_B1_MAX_S)}
+        timing = {"1": time_batch(engine, 1, runs=_B1_RUNS, max_s=_B1_MAX_S)}
         big = max(settings.buckets)
         if time_big and big > 1:
-            timing[str(big)] = engine.time_batch(big, runs=_BIG_RUNS, max_s=_BIG_MAX_S)
+            timing[str(big)] = time_batch(engine, big, runs=_BIG_RUNS, max_s=_BIG_MAX_S)
     outcome["timing"] = {k: round(v, 5) for k, v in timing.items()}  # compare exactly what is recorded
     return outcome
 
@@ -255,23 +253,23 @@ def _cached_config(
     return config if config in configs else None
 
 
-def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: EngineSettings) -> Engine:
+def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: EngineOptions) -> OrtEngine:
     return _load_model(candidates[config.variant], config, settings)
 
 
-def _load_model(model: onnx.ModelProto, config: Config, settings: EngineSettings) -> Engine:
+def _load_model(model: onnx.ModelProto, config: Config, settings: EngineOptions) -> OrtEngine:
     """``model`` (fp32) as ``config`` says: its precision, layout, conv-bias fusion and CUDA graphs."""
     if config.precision == "fp16":
         model = to_fp16(model)
     if not config.cuda_graph:
-        settings = settings.model_copy(update={"cuda_graph": False})
-    return Engine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=config.fuse_conv_bias,
-                       variant=config.key)
+        settings = settings.replace(cuda_graph=False)
+    return OrtEngine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=bool(config.fuse_conv_bias),
+                          variant=config.key)
 
 
 def _select_cpu(
-    candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, precision: str
-) -> tuple[Engine, dict[str, Any]]:
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
+) -> tuple[OrtEngine, dict[str, Any]]:
     name = "fused" if "fused" in candidates else next(iter(candidates))
     why = "FusedConv is ORT's own CPU fusion" if name == "fused" else "no 'fused' candidate"
     reason = f"CPU provider: no timing; '{name}' taken ({why})"
@@ -284,13 +282,15 @@ def _select_cpu(
 
 def select_variant(
     candidates: dict[str, onnx.ModelProto],
-    settings: EngineSettings,
+    settings: EngineOptions,
     *,
     precision: str = "fp32",
     budget_s: float | None = None,
     cached_choice: dict | None = None,
-) -> tuple[Engine | SplitEngine, dict]:
-    """Return the fastest Engine among the candidates (others closed) and the JSON-able record."""
+) -> tuple[OrtEngine | SplitEngine, dict]:
+    """Return the fastest engine among the candidates (others closed) and the JSON-able record.
+
+    ``settings.tune_budget_s`` 0 (and no ``budget_s``): the first configuration is served untimed."""
     if not candidates:
         raise ValueError("select_variant needs at least one candidate model")
     if precision not in PRECISIONS:
@@ -306,8 +306,8 @@ def select_variant(
         record = dict(cached_choice or {})
         record["reused"] = True
         return _with_cached_split(engine, candidates, settings, configs, record), record
-    budget = settings.autotune_budget_s if budget_s is None else budget_s
-    if not settings.autotune:
+    budget = settings.tune_budget_s if budget_s is None else budget_s
+    if budget <= 0:
         # Still loaded and replayed in a child first: a configuration that crashes the CUDA context
         # (fp16 MobileNetV3 on ORT 1.31.1) must not take the serving process down with it.
         configs = configs[:1]
@@ -316,11 +316,11 @@ def select_variant(
 
 def _tune(
     candidates: Mapping[str, onnx.ModelProto],
-    settings: EngineSettings,
+    settings: EngineOptions,
     configs: list[Config],
     device: str,
     budget_s: float,
-) -> tuple[Engine | SplitEngine, dict[str, Any]]:
+) -> tuple[OrtEngine | SplitEngine, dict[str, Any]]:
     """Time every configuration in its own child process, then load only the winner in this one.
 
     Why children: on an H200 with ORT 1.31.1, creating and destroying several CUDA-graph sessions in one
@@ -344,7 +344,7 @@ def _tune(
         record = _record(config, device=device, reason=f"no configuration could be timed; {config.key} served",
                          **extra)
         logger.warning("autotune: %s (%s)", record["reason"], results.skipped)
-    engine: Engine | SplitEngine = _load(candidates, config, settings)
+    engine: OrtEngine | SplitEngine = _load(candidates, config, settings)
     large = _large_batch_candidate(results, configs, config, settings)
     if large is not None:
         engine, record["split"] = _split(engine, candidates, large, settings)
@@ -355,7 +355,7 @@ def _tune(
 
 
 def _large_batch_candidate(
-    results: _Results, configs: list[Config], primary: Config, settings: EngineSettings
+    results: _Results, configs: list[Config], primary: Config, settings: EngineOptions
 ) -> Config | None:
     """The graphless configuration fastest at the largest bucket, when it beats the primary there (or the
     primary was not timed there: then _split's own timings decide).
@@ -377,17 +377,17 @@ def _large_batch_candidate(
 
 
 def _split(
-    primary: Engine, candidates: Mapping[str, onnx.ModelProto], large: Config, settings: EngineSettings
-) -> tuple[Engine | SplitEngine, dict[str, Any]]:
+    primary: OrtEngine, candidates: Mapping[str, onnx.ModelProto], large: Config, settings: EngineOptions
+) -> tuple[OrtEngine | SplitEngine, dict[str, Any]]:
     """Time the primary and the large-batch configuration at every bucket from SPLIT_MIN_BUCKET up, in this
     process (the large one already ran in a child without crashing); the large one serves the buckets where
     it is SPLIT_MIN_GAIN faster. Without such a bucket it is closed and the primary serves alone."""
     sizes = tuple(b for b in primary.buckets if b >= SPLIT_MIN_BUCKET)
     engine = None
     try:
-        engine = _load(candidates, large, settings.model_copy(update={"buckets": sizes}))
-        timings = {str(b): {"primary": round(primary.time_batch(b, runs=40, max_s=0.5), 5),
-                            "large": round(engine.time_batch(b, runs=40, max_s=0.5), 5)} for b in sizes}
+        engine = _load(candidates, large, settings.replace(buckets=sizes))
+        timings = {str(b): {"primary": round(time_batch(primary, b, runs=40, max_s=0.5), 5),
+                            "large": round(time_batch(engine, b, runs=40, max_s=0.5), 5)} for b in sizes}
     except Exception as exc:  # it ran in its child; here it costs only the split, never the model
         if engine is not None:
             engine.close()
@@ -403,9 +403,9 @@ def _split(
 
 
 def _with_cached_split(
-    engine: Engine, candidates: Mapping[str, onnx.ModelProto], settings: EngineSettings, configs: list[Config],
+    engine: OrtEngine, candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config],
     record: Mapping[str, Any],
-) -> Engine | SplitEngine:
+) -> OrtEngine | SplitEngine:
     """Rebuild a recorded split (same GPU and ORT version): the large-batch engine for its recorded buckets."""
     split = record.get("split") or {}
     try:
@@ -415,10 +415,30 @@ def _with_cached_split(
         return engine
     if large not in configs or not buckets:
         return engine
-    other = _load(candidates, large, settings.model_copy(update={"buckets": buckets}))
+    other = _load(candidates, large, settings.replace(buckets=buckets))
     return SplitEngine(engine, other, buckets)
 
 
 def _short_error(exc: BaseException) -> str:
-    text = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
-    return text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
+
+
+# ------------------------------------------------------------------------------------------- timing
+def time_batch(engine: OrtEngine | SplitEngine, batch: int, *, runs: int = 100, max_s: float = 1.0,
+               warmup: int = 3) -> float:
+    """Median milliseconds of ``engine.replay(batch)`` (no host copies) over up to ``runs`` runs in ``max_s``."""
+    engine.fill(batch)
+    return float(np.median(time_calls(lambda: engine.replay(batch), runs=runs, max_s=max_s, warmup=warmup)))
+
+
+def time_calls(fn: Callable[[], object], *, runs: int, max_s: float, warmup: int = 3) -> list[float]:
+    """Milliseconds of ``fn()`` after ``warmup`` calls: up to ``runs`` calls, at least 5, within ``max_s``."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + max_s
+    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times

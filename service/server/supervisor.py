@@ -1,9 +1,10 @@
-"""Several server processes on one port: a supervisor and its workers (``SERVICE_WORKERS`` > 1).
+"""Several server processes on one port: a supervisor, its workers and one engine process (workers > 1).
 
 Why: one Python event loop spends a few hundred microseconds of CPU on every request (HTTP parsing, the
 body, the response). On a GPU that runs MobileNetV3 in about half a millisecond, one loop caps the
-server well below the GPU (bench/results/service-*-cuda.json). N worker processes listen on one port
-and each holds its own engines and batchers on the same GPU.
+server well below the GPU (bench/results/service-*-cuda.json). N worker processes listen on one port, each
+with its own batchers, and one engine process (``runtime.engine_process``) owns the device and runs every
+worker's batches in one CUDA context.
 
 How:
 * The supervisor (this process) reserves the port (a bound socket that never listens), prints
@@ -48,11 +49,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from service.runtime.engine_host import HostAddress
-from service.runtime.shared_buffer import buffer_folder
+from service.runtime.engine_process.host import HostAddress
+from service.runtime.engine_process.shared_buffer import buffer_folder
+from service.server.process import configure_process
+from service.server.run import run_server
 from service.settings import ServiceSettings
-
-from .server import configure_process, run_server
 
 log = logging.getLogger("service.workers")
 
@@ -72,21 +73,16 @@ def serve_workers(settings: ServiceSettings) -> int:
         return 1
     metrics_dir = Path(tempfile.mkdtemp(prefix="service-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
-    engine_dir = (  # mode 0700
-        Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder())) if settings.engine_process else None
-    )
-    address = engine_host_address(engine_dir) if engine_dir is not None else None
+    engine_dir = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
     try:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        shared = ", one engine process" if address is not None else ""
-        print(f"listening on http://{shown}:{port} ({settings.workers} workers{shared})", flush=True)
-        return Supervisor(settings, sock, address).run()
+        print(f"listening on http://{shown}:{port} ({settings.workers} workers, one engine process)", flush=True)
+        return Supervisor(settings, sock, engine_host_address(engine_dir)).run()
     finally:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-        if engine_dir is not None:
-            shutil.rmtree(engine_dir, ignore_errors=True)
+        shutil.rmtree(engine_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
@@ -133,7 +129,7 @@ class _Worker:
 class Supervisor:
     """Starts, watches, restarts and stops the worker processes."""
 
-    def __init__(self, settings: ServiceSettings, reserved: socket.socket, engine_host: HostAddress | None = None):
+    def __init__(self, settings: ServiceSettings, reserved: socket.socket, engine_host: HostAddress):
         self.settings = settings
         self.host, self.port = settings.host, int(reserved.getsockname()[1])
         self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
@@ -142,8 +138,8 @@ class Supervisor:
         self.engine_process: Any = None
         self.stopping = False
         self.restarts: collections.deque[float] = collections.deque()
-        # each worker's open connections, for service.api.connection_balance (one slot per worker)
-        self.connection_counts = self.ctx.RawArray("i", settings.workers) if settings.balance_connections else None
+        # each worker's open connections, for server.balance (one slot per worker)
+        self.connection_counts = self.ctx.RawArray("i", settings.workers)
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -157,8 +153,8 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _start_all(self, *, first_start: bool) -> bool:
-        """The engine process (if any) until it listens, worker 0 until loaded, then the others."""
-        if self.engine_host is not None and not self._start_engine_process():
+        """The engine process until it listens, worker 0 until loaded, then the others."""
+        if not self._start_engine_process():
             return False
         first = self._start(0, first_start=first_start)
         self._wait_started(first)
@@ -275,8 +271,7 @@ class Supervisor:
     def _forget(self, worker: _Worker) -> None:
         """A worker that exited: its live metrics go, and it holds no connections any more."""
         _forget_metrics_of(worker.process.pid)
-        if self.connection_counts is not None:
-            self.connection_counts[worker.index] = 0
+        self.connection_counts[worker.index] = 0
 
 
 def _forget_metrics_of(pid: int | None) -> None:
@@ -308,21 +303,20 @@ def _stop_when_orphaned(on_orphaned: Any) -> None:
 
 
 def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready: Any) -> None:
-    """The engine process (``service.runtime.engine_host``): serves the workers until SIGTERM.
+    """The engine process (``runtime.engine_process.host``): serves the workers until SIGTERM.
 
     SIGINT is ignored: a Ctrl-C in a terminal reaches the whole process group, and the supervisor stops
     the workers first (they drain through this process), then this one.
     """
     from service.metrics import EngineProcessMetrics
-    from service.runtime.engine_host import EngineHost
+    from service.runtime.engine_process.host import EngineHost
 
     configure_process(settings)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     metrics = EngineProcessMetrics()
-    host = EngineHost(address, observe=metrics.observe_call, observe_page_lock=metrics.observe_page_lock,
-                      pipeline=settings.engine_process_pipeline)
+    host = EngineHost(address, observe=metrics.observe_call, observe_page_lock=metrics.observe_page_lock)
     host.start()
     log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
 
@@ -347,24 +341,26 @@ def _worker_main(
     index: int,
     prepare_store: bool,
     started: Any,
-    engine_host: HostAddress | None,
-    connection_counts: Any = None,
+    engine_host: HostAddress,
+    connection_counts: Any,
 ) -> None:
-    """One worker process: the app on the shared socket (see the module docstring for the roles)."""
-    from .app import create_app
-    from .connection_balance import ConnectionBalancer
-    from .lifecycle import WorkerRole
+    """One worker process: the app on the shared socket, its engines in the engine process.
+
+    Only the very first worker prepares the store and answers while it loads; the others accept connections
+    once their models are loaded, so the shared port never routes to a worker that cannot serve."""
+    from service.api.app import create_app
+    from service.metrics import Metrics
+    from service.registry.manager import ModelManager
+    from service.runtime.engine_process.client import RemoteEngineLoader
+    from service.server.balance import ConnectionBalancer
 
     configure_process(settings)
-    role = WorkerRole(
-        prepare_store=prepare_store,
-        follow_store=True,
-        serve_before_ready=prepare_store,  # only the very first worker answers while it loads
-        on_started=started.set,
-        engine_host=engine_host,
-        balancer=None if connection_counts is None else ConnectionBalancer(connection_counts, index),
-    )
+    metrics = Metrics()
+    manager = ModelManager(settings, metrics=metrics, prepare_store=prepare_store, follow_store=True,
+                           engine_loader=RemoteEngineLoader(engine_host))
+    app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=started.set)
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     _stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
-    sock = reuseport_socket(host, port)  # listening starts once the app has started (see WorkerRole)
-    sys.exit(run_server(settings, create_app(settings, role=role), sockets=[sock], announce=False))
+    sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)
+    balancer = ConnectionBalancer(connection_counts, index)
+    sys.exit(run_server(settings, app, sockets=[sock], announce=False, balancer=balancer))

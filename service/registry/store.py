@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
-from service.validation import validate_model_name
+from service.registry.acceptance import validate_model_name
 
 log = logging.getLogger(__name__)
 

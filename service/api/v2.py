@@ -1,0 +1,128 @@
+"""KServe V2 / Open Inference Protocol over REST: server and model metadata, readiness, config and inference.
+
+Spoken the way Triton speaks it so ``tritonclient.http`` works unchanged: versions are strings in JSON, the
+binary tensor extension (``Inference-Header-Content-Length``) for inputs and, when asked, outputs, and a
+Triton-style model config at ``.../config``. Health endpoints live in ``health.py``; everything here is a
+codec around ``service.dataplane``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from .bodies import MIB, read_body
+from .codecs import decode_v2_request, encode_v2_response, json_response
+from .deps import dataplane_of, settings_of
+from .inference import Observed, infer
+from .schemas import ErrorBody, InferRequest, InferResponse, ModelMetadata, ServerMetadata, json_body
+
+router = APIRouter(tags=["kserve-v2"])
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 503)}
+
+
+# ------------------------------------------------------------------ metadata
+@router.get("/v2", summary="Server metadata", response_model=ServerMetadata)
+async def server_metadata(request: Request) -> Response:
+    return json_response(dataplane_of(request).server_metadata())
+
+
+@router.get("/v2/models/{name}", summary="Model metadata", response_model=ModelMetadata, responses=_ERRORS)
+async def model_metadata(request: Request, name: str) -> Response:
+    return json_response(dataplane_of(request).model_metadata(name))
+
+
+@router.get(
+    "/v2/models/{name}/versions/{version}",
+    summary="Model version metadata",
+    response_model=ModelMetadata,
+    responses=_ERRORS,
+)
+async def model_version_metadata(request: Request, name: str, version: str) -> Response:
+    return json_response(dataplane_of(request).model_metadata(name, version))
+
+
+# ------------------------------------------------------------------ readiness
+def _ready(request: Request, name: str, version: str | None) -> Response:
+    mv = dataplane_of(request).model_ready(name, version)  # 404 / 503 when not ready
+    return json_response({"name": mv.name, "version": str(mv.version), "ready": True})
+
+
+@router.get("/v2/models/{name}/ready", summary="Model readiness (200 ready, 503 not)", responses=_ERRORS)
+async def model_ready(request: Request, name: str) -> Response:
+    return _ready(request, name, None)
+
+
+@router.get("/v2/models/{name}/versions/{version}/ready", summary="Version readiness", responses=_ERRORS)
+async def model_version_ready(request: Request, name: str, version: str) -> Response:
+    return _ready(request, name, version)
+
+
+# ------------------------------------------------------------------ config
+@router.get("/v2/models/{name}/config", summary="Triton-style model configuration", responses=_ERRORS)
+async def model_config(request: Request, name: str) -> Response:
+    return json_response(dataplane_of(request).model_config(name))
+
+
+@router.get(
+    "/v2/models/{name}/versions/{version}/config", summary="Triton-style version config", responses=_ERRORS
+)
+async def model_version_config(request: Request, name: str, version: str) -> Response:
+    return json_response(dataplane_of(request).model_config(name, version))
+
+
+# ------------------------------------------------------------------ inference
+_INFER_OPENAPI = json_body(InferRequest)
+_INFER_OPENAPI["requestBody"]["content"]["application/octet-stream"] = {
+    "schema": {"type": "string", "format": "binary"},
+}
+_INFER_OPENAPI["parameters"] = [
+    {
+        "name": HEADER_LENGTH,
+        "in": "header",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 0},
+        "description": "Binary tensor extension: length of the JSON header that starts the body.",
+    }
+]
+_INFER_ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 415, 503, 504)}
+
+
+async def handle_infer(request: Request, name: str, version: str | None) -> Response:
+    """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
+    async with Observed(request, "v2_infer") as obs:
+        body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        mv = dataplane_of(request).model_for_infer(name, version)
+        obs.model = mv.name
+        decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature)
+        obs.result = await infer(request, mv, decoded.request)
+        content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, obs.result.outputs, decoded.binary)
+    if json_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
+
+
+@router.post(
+    "/v2/models/{name}/infer",
+    summary="Inference (JSON or binary tensors)",
+    response_model=InferResponse,
+    responses=_INFER_ERRORS,
+    openapi_extra=_INFER_OPENAPI,
+)
+async def model_infer(request: Request, name: str) -> Response:
+    return await handle_infer(request, name, None)
+
+
+@router.post(
+    "/v2/models/{name}/versions/{version}/infer",
+    summary="Inference on one version",
+    response_model=InferResponse,
+    responses=_INFER_ERRORS,
+    openapi_extra=_INFER_OPENAPI,
+)
+async def model_version_infer(request: Request, name: str, version: str) -> Response:
+    return await handle_infer(request, name, version)

@@ -1,0 +1,78 @@
+"""Following a store that other processes change: the versions they add are loaded here, the ones they delete
+are unloaded (several workers on one store; replicas on a shared volume).
+
+A version another process published is loaded here once its loader recorded the engine choice (so this load
+reuses the tuner's pick instead of timing again), or after ``SETTLE_S`` (its loader may have died mid-load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from service.errors import ServiceError
+from service.registry.metadata import age_s
+from service.registry.version import ModelState
+
+if TYPE_CHECKING:
+    from service.registry.manager import ModelManager
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 600.0
+
+
+class StoreFollower:
+    def __init__(self, manager: ModelManager, interval_s: float) -> None:
+        self._manager = manager
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow(), name="registry-follow-store")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.sync()
+            except Exception:  # a bad pass must not end the following: the next one may succeed
+                log.exception("syncing with the model store failed")
+
+    async def sync(self) -> None:
+        """Load the versions others added to the store, unload the ones they deleted."""
+        manager = self._manager
+        async with manager.store_lock:
+            stored = await asyncio.to_thread(manager.store.list_models)
+            for name, numbers in stored.items():
+                for number in numbers:
+                    if manager.stopping:
+                        return
+                    if not manager.table.has(name, number) and await asyncio.to_thread(self._settled, name, number):
+                        log.info("%s v%d was added by another process: loading it", name, number)
+                        await manager.load_stored(name, number)
+            for mv in list(manager.table):
+                gone = mv.version not in stored.get(mv.name, ())
+                if gone and mv.state in (ModelState.READY, ModelState.FAILED):
+                    log.info("%s v%d was deleted by another process: unloading it", mv.name, mv.version)
+                    await manager.unload(mv)
+            manager.report_loaded()
+
+    def _settled(self, name: str, version: int) -> bool:
+        """Its loader recorded the engine choice, or it is old (runs in a thread)."""
+        try:
+            metadata = self._manager.store.read_metadata(name, version)
+        except (OSError, ValueError, ServiceError):
+            return False
+        if metadata.get("engine"):
+            return True
+        age = age_s(str(metadata.get("created")))
+        return age is None or age > SETTLE_S

@@ -1,0 +1,178 @@
+"""One version of one model: its metadata, configuration, signature, engine and batcher, and its state.
+
+States: LOADING (being optimized or loaded), READY (serving), FAILED (could not be loaded; ``error`` says
+why; the other versions still serve), UNLOADING (being deleted: no new requests, in-flight ones finish).
+Only a READY version takes requests; ``activate`` makes it READY once its engine served a warm-up request
+through the whole path, ``shutdown`` lets queued and in-flight requests finish and closes the engine on its
+own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.errors import EngineError, ModelNotReadyError, RequestTimeoutError, ServiceError
+from service.model_config import EffectiveConfig
+from service.registry.metadata import VersionMetadata
+from service.runtime.batcher import Batcher, BatchPolicy
+from service.runtime.contract import Engine, InferenceRequest, Signature
+
+
+class ModelState(enum.StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "FAILED"
+    UNLOADING = "UNLOADING"
+
+
+class MetricsSink(Protocol):
+    def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None: ...
+    def set_queue_depth(self, model: str, version: int, depth: int) -> None: ...
+    def set_loaded_models(self, count: int) -> None: ...
+    def forget_version(self, model: str, version: int) -> None: ...
+
+
+@dataclasses.dataclass
+class InferenceResult:
+    outputs: dict[str, np.ndarray]
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+class _Reporter:
+    """The batcher's observer for one version: its metric series."""
+
+    def __init__(self, metrics: MetricsSink | None, name: str, version: int) -> None:
+        self._metrics, self._name, self._version = metrics, name, version
+
+    def on_batch(self, samples: int, _queue_s: float, compute_s: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_batch(self._name, self._version, samples, compute_s)
+
+    def on_depth(self, depth: int) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self._name, self._version, depth)
+
+
+class ModelVersion:
+    """One served (or failed) version of a model."""
+
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        metadata: VersionMetadata | None,
+        config: EffectiveConfig,
+        *,
+        max_input_bytes: int,
+        metrics: MetricsSink | None = None,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.state = ModelState.LOADING
+        self.error: str | None = None
+        self.metadata = metadata
+        self.config = config
+        self._max_input_bytes = max_input_bytes
+        self._reporter = _Reporter(metrics, name, version)
+        stored = metadata.signature if metadata is not None else Signature((), ())
+        self.signature = stored.limited(max_batch=config.queue_size, max_bytes=max_input_bytes)
+        self.max_batch_size = config.max_batch_size
+        self._engine: Engine | None = None
+        self._batcher: Batcher | None = None
+
+    # ------------------------------------------------------------------ description
+    @property
+    def queue_depth(self) -> int:
+        return self._batcher.queue_depth if self._batcher is not None else 0
+
+    @property
+    def provider(self) -> str | None:
+        return self._engine.provider if self._engine is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary for the management API."""
+        metadata = self.metadata
+        return {
+            "name": self.name,
+            "version": self.version,
+            "state": self.state.value,
+            "error": self.error,
+            **self.signature.to_dict(),
+            "max_batch_size": self.max_batch_size,
+            "config": self.config.to_dict(),
+            "created": metadata.created if metadata else None,
+            "sha256": metadata.original.sha256 if metadata else None,
+            "engine": metadata.engine if metadata else None,
+            "provider": self.provider,
+            "report": metadata.report() if metadata else None,
+        }
+
+    # ------------------------------------------------------------------ inference
+    async def infer(self, request: InferenceRequest, *, alone: bool = False) -> InferenceResult:
+        """Queue, batch, run; the requested outputs (all when ``request.outputs`` is None) come back.
+        ``alone``: no other request is in progress (the batcher may then run it on the event loop)."""
+        batcher = self._batcher
+        if self.state is not ModelState.READY or batcher is None:
+            raise ModelNotReadyError(f"model {self.name!r} version {self.version} is {self.state.value.lower()}")
+        result = await batcher.submit(request, alone=alone)
+        outputs = result.outputs
+        if request.outputs is not None:
+            try:
+                outputs = {name: outputs[name] for name in request.outputs}
+            except KeyError:
+                raise EngineError("the engine did not produce a requested output") from None
+        return InferenceResult(outputs, result.queue_s, result.compute_s, result.batch_size)
+
+    # ------------------------------------------------------------------ lifecycle (the manager's calls)
+    async def activate(self, engine: Engine) -> None:
+        """Attach a loaded engine, start the batcher, warm the whole path once; then READY."""
+        self._engine = engine
+        self.signature = engine.signature.limited(max_batch=self.config.queue_size, max_bytes=self._max_input_bytes)
+        self.max_batch_size = self.signature.samples_per_call(self.config.max_batch_size, engine.max_batch_size)
+        config = self.config
+        policy = BatchPolicy(self.max_batch_size, config.max_delay_s, config.queue_size, config.timeout_s)
+        self._batcher = Batcher(engine, policy, name=f"{self.name}:{self.version}", observer=self._reporter)
+        self._reporter.on_depth(0)  # the series exists from the start
+        self._batcher.start()
+        warm = self._warmup_request()
+        if warm is not None:
+            try:
+                await self._batcher.submit(warm)
+            except RequestTimeoutError:  # not the client's timeout: say what did not finish
+                raise EngineError(
+                    f"the warm-up run of {self.name!r} version {self.version} did not finish within "
+                    f"{self.config.timeout_s:g} s; the engine may be stuck (the server log says where)"
+                ) from None
+        self.state = ModelState.READY
+
+    def _warmup_request(self) -> InferenceRequest | None:
+        """Zeros of batch 1 when every non-batch dim is fixed (else no safe shape is known)."""
+        if not self.signature.fixed_shapes:
+            return None
+        inputs = {s.name: np.zeros((s.shape[0] or 1, *s.shape[1:]), s.dtype) for s in self.signature.inputs}
+        return self.signature.request(inputs)
+
+    def fail(self, exc: BaseException) -> None:
+        """FAILED, with what a client may read: ServiceError messages are client-safe, others only by type."""
+        self.state = ModelState.FAILED
+        self.error = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__} while loading"
+
+    async def shutdown(self, timeout_s: float | None) -> None:
+        """Let queued and in-flight requests finish (up to ``timeout_s``), then close the engine."""
+        engine, self._engine = self._engine, None
+        finalize = engine.close if engine is not None else None
+        if self._batcher is not None:  # closes the engine on its own thread, after the last call
+            await self._batcher.stop(drain=True, timeout_s=timeout_s, finalize=finalize)
+        elif finalize is not None:
+            await asyncio.to_thread(finalize)
+
+    @property
+    def has_engine(self) -> bool:
+        return self._engine is not None

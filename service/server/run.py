@@ -1,0 +1,100 @@
+"""Run the app on uvicorn until a signal stops it; returns the exit code.
+
+SIGTERM/SIGINT: readiness turns false at once (``Lifecycle.begin_shutdown`` in the signal handler), the
+listening socket closes, in-flight requests get up to ``shutdown_grace_s`` to finish, then the model manager
+stops. A clean, signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT``
+goes to stdout with the real port, so ``--port 0`` works for tests and scripts; a "ready" line goes to the
+log once every model is served. With ``workers`` > 1 the supervisor (``server.supervisor``) binds the port
+and runs one such server per worker process.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from service.api.app import create_app
+from service.api.lifecycle import Lifecycle
+from service.server.balance import BalanceMiddleware, ConnectionBalancer
+from service.server.process import configure_process
+from service.server.transport import GatheredWritesProtocol
+from service.settings import ServiceSettings
+
+KEEP_ALIVE_S = 5
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, *, announce: bool = True) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.announce = announce
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.lifecycle.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.announce and self.started and getattr(self, "servers", None):
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"listening on http://{shown}:{port}", flush=True)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        with self.capture_signals():
+            await self._serve(sockets)
+            # uvicorn re-raises a caught SIGTERM after a graceful shutdown (exit status -15); we have
+            # finished cleanly, so say so with status 0.
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+
+def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        http=GatheredWritesProtocol,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+        timeout_keep_alive=KEEP_ALIVE_S,
+        server_header=False,
+        proxy_headers=False,
+    )
+
+
+def serve_single(settings: ServiceSettings) -> int:
+    """One server process with its engines in this process."""
+    configure_process(settings)
+    return run_server(settings, create_app(settings))
+
+
+def run_server(
+    settings: ServiceSettings,
+    app: Any,
+    *,
+    sockets: list[socket.socket] | None = None,
+    announce: bool = True,
+    balancer: ConnectionBalancer | None = None,
+) -> int:
+    """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port).
+    ``balancer``: this worker's share of the kept-alive connections (several workers on one port)."""
+    served = app if balancer is None else BalanceMiddleware(app, balancer)
+    server = _Server(uvicorn_config(settings, served), app.state.lifecycle, announce=announce)
+    if balancer is not None:
+        balancer.on_close = app.state.metrics.rebalanced.inc
+        balancer.bind(lambda: len(server.server_state.connections))
+    try:
+        server.run(sockets=sockets)
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        if balancer is not None:
+            balancer.forget()
+    return 0 if server.started else 1
