@@ -13,7 +13,7 @@
 # too old for CUDA 13 with a clear message instead of a failing CUDA EP at model load. The pip CUDA
 # wheels would give a similar size (~3 GB either way: cuDNN and cuBLAS dominate). Ubuntu 24.04
 # brings Python 3.12. On a host without a GPU the same image serves on the CPU provider
-# (SERVICE_ENGINE__DEVICE=cpu; compose profile "cpu").
+# (SERVICE_DEVICE=cpu; compose profile "cpu").
 ARG BASE_IMAGE=nvidia/cuda:13.0.3-cudnn-runtime-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ with PyTorch's native Hardswish (same random weights), and ResNet-50; exported w
 exporter (dynamo=False, opset 17, do_constant_folding=True, dynamic batch).
 Engines, at batch 1 and 64: torch_eager, torch_cudagraph (manual capture), torch_compile
 (mode="reduce-overhead"), ort_default (ORT_ENABLE_ALL, IO binding with device buffers, no CUDA graph),
-ours_fp32 and ours_fp16 (service.optimizer.optimize + Engine, the variant picked by
+ours_fp32 and ours_fp16 (service.optimizer.optimize + OrtEngine, the variant picked by
 service.runtime.tuner), ours_auto with ``--precisions ...,auto`` (precision "auto": possibly fp32 CUDA
 graphs for small buckets and fp16 without graphs for large ones), and ours_fp32_hostio (our engine with
 numpy arrays in and out: the copies a server pays).
@@ -121,7 +121,7 @@ class Runner:
 
 
 def _no_sync() -> None:
-    """ORT runs here end with the device done already (run_bound / synchronize_outputs); CPU needs nothing."""
+    """ORT runs here end with the device done already (replay / synchronize_outputs); CPU needs nothing."""
 
 
 @dataclasses.dataclass
@@ -369,11 +369,11 @@ def compiled_runner(model: Any, name: str, batch: int, image: int) -> Runner:
 def _ort_settings(spec: dict[str, Any]) -> Any:
     """Our engines' settings; on the GPU, resolving the device first loads pip-installed CUDA libraries
     (there is no torch here to bring them) and fails the setup clearly when CUDA is not usable."""
+    from service.runtime.contract import EngineOptions
     from service.runtime.device import resolve_device
-    from service.settings import EngineSettings
 
-    settings = EngineSettings(device="cuda" if spec["cuda"] else "cpu", buckets=tuple(spec["batches"]),
-                              prefer_nhwc="auto", cudnn_conv_algo_search="EXHAUSTIVE")
+    settings = EngineOptions(device="cuda" if spec["cuda"] else "cpu", buckets=tuple(spec["batches"]),
+                             cudnn_conv_algo_search="EXHAUSTIVE")
     resolve_device(settings)
     return settings
 
@@ -434,17 +434,17 @@ def tuned_engine(name: str, candidates: dict[str, Any], settings: Any, precision
 
 def ours_runners(engine: Any, name: str, batches: list[int], precision: str) -> list[Runner]:
     """ours_<precision> replays the bucket's bound buffers; fp32 also gets the numpy-in/out row (host copies)."""
-    from service.runtime.engine import random_feeds
+    from service.runtime.contract import random_feeds
 
     info = engine.describe()
     extra = {"variant": engine.variant, "cuda_graph": info["cuda_graph"], "prefer_nhwc": info["prefer_nhwc"],
              "large_buckets": (info.get("large_buckets") or {}).get("buckets")}  # served by a second engine
     runners = []
     for batch in batches:
-        runners.append(Runner(name, batch, f"ours_{precision}", lambda b=batch: engine.run_bound(b), info["nodes"],
+        runners.append(Runner(name, batch, f"ours_{precision}", lambda b=batch: engine.replay(b), info["nodes"],
                               dict(extra)))
         if precision == "fp32":
-            feeds = random_feeds(engine.inputs, batch, np.random.default_rng(5))
+            feeds = random_feeds(engine.signature.inputs, batch, np.random.default_rng(5))
             runners.append(Runner(name, batch, "ours_fp32_hostio", lambda f=feeds: engine.run(f), info["nodes"],
                                   {"variant": engine.variant, "note": "numpy in/out: copies included"}))
     return runners
@@ -480,7 +480,7 @@ def ort_default_runner(session: Any, name: str, batch: int, cuda: bool) -> Runne
 
     def run() -> None:
         session.run_with_iobinding(binding)
-        binding.synchronize_outputs()  # the sample ends with the GPU done, as run_bound's do
+        binding.synchronize_outputs()  # the sample ends with the GPU done, as replay's do
         _ = keep
 
     return Runner(name, batch, "ort_default", run)

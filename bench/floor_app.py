@@ -3,7 +3,7 @@
 Used by bench/http_overhead.py and bench/server_cpu.py as the least a uvicorn server can cost per request.
 It answers like the light model (GlobalAveragePool over [N, 3, 224, 224]): 3 floats per 600 KB sample as
 a KServe binary reply, with Content-Length (as the service sends it; the raw load generator needs it).
-``FLOOR_BODY_BUFFER`` (bytes), when set, is uvicorn's body buffer, as ``SERVICE_HTTP_BODY_BUFFER_KB`` sets
+``FLOOR_BODY_BUFFER`` (bytes), when set, is uvicorn's body buffer, as service/server/process.py sets
 it in the service.
 
     python bench/floor_app.py --port PORT       # or: granian --interface asgi floor_app:app

@@ -1,29 +1,21 @@
 """What one inference request costs the server besides the engine, and how much of it is the HTTP stack.
 
-    python bench/http_overhead.py [--rounds 6] [--requests 400]
+    python bench/http_overhead.py [--rounds 6] [--requests 400] [--baseline-tree DIR]
 
-A model that does almost nothing (GlobalAveragePool over a [N, 3, 224, 224] image, i.e. the demo
-model's 600 KB input) is served by the real server, ``python -m service serve``, on the CPU provider.
-One KServe V2 binary request is sent at a time on a kept-alive connection with http.client, so the
-latency is HTTP + decoding + batcher + engine call + response, and the engine's own part is measured
-alone in this process (``Engine.run``, host arrays). The floor of the stack is measured the same way:
-``floor``, a bare ASGI app on the same uvicorn that reads the same body and answers with a response of
-the same size (bench/floor_app.py; with Content-Length since 2026-11-30, chunked before);
-``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is installed);
-``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol answering
-from its receive buffer), the least any Python HTTP layer could cost here. ``service_heap_default`` and
-``floor_heap_kept`` swap glibc's heap thresholds (``SERVICE_HEAP_KEEP_MB``, service/heap.py): with
-glibc's defaults the bare app faulted about 300 fresh pages in per 600 KB request.
-``service_no_inline`` sends every request through the engine thread (``SERVICE_BATCHING__INLINE_MAX_MS=0``),
-where ``service`` runs a lone request on the event loop; ``service_no_gather`` lets uvicorn write a
-response's head and body separately (``SERVICE_HTTP_GATHER_WRITES=false``); ``service_workers`` runs 2
-workers and the engine process (the hand-over between processes). The variants alternate in rounds so
-that all see the same minutes of a shared host.
+A model that does almost nothing (GlobalAveragePool over a [N, 3, 224, 224] image, i.e. the demo model's
+600 KB input) is served by the real server, ``python -m service serve``, on the CPU provider. One KServe V2
+binary request is sent at a time on a kept-alive connection with http.client, so the latency is HTTP +
+decoding + batcher + engine call + response, and the engine's own part is measured alone in this process
+(``OrtEngine.run``, host arrays). The floor of the stack is measured the same way: ``floor``, a bare ASGI app
+on the same uvicorn that reads the same body and answers with a response of the same size
+(bench/floor_app.py); ``floor_granian`` runs that app on granian (a Rust HTTP server, measured when it is
+installed); ``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol
+answering from its receive buffer), the least any Python HTTP layer could cost here. ``floor_heap_kept``
+gives the bare app the glibc heap thresholds the server sets (service/server/process.py).
+``service_workers`` runs 2 workers and the engine process (the hand-over between processes). ``baseline``
+(with ``--baseline-tree``) is the same server from another checkout, e.g. the commit before a change. The
+variants alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
-
-One request at a time, uvicorn's body buffer (``SERVICE_HTTP_BODY_BUFFER_KB``) made no difference at
-64 KiB against 8 MiB, 1.055 against 1.059 ms (bench/results/http-overhead-2026-11-30-body-buffer-ab.json);
-under concurrent load it does, for a bare app (bench/server_cpu.py).
 """
 
 from __future__ import annotations
@@ -53,30 +45,27 @@ from bench.service import (  # noqa: E402
     service_server,
     single_request_latency,
 )
-from service.server import process as heap  # noqa: E402
-from service.settings import ServiceSettings  # noqa: E402
+from service.server import process  # noqa: E402
 
 TOKEN = "bench-http-overhead-token-0123456789"
 VARIANTS = (
     "service",
     "service_workers",
-    "service_no_inline",
-    "service_no_gather",
-    "service_heap_default",
+    "baseline",
     "floor",
     "floor_heap_kept",
     "floor_raw",
     "floor_granian",
 )
-# the glibc thresholds service/heap.py sets with mallopt at the default SERVICE_HEAP_KEEP_MB, as environment
+# the glibc thresholds service/server/process.py sets with mallopt, as environment
 HEAP_KEPT_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(heap.MMAP_THRESHOLD_MAX),
-    "MALLOC_TRIM_THRESHOLD_": str(ServiceSettings.model_fields["heap_keep_mb"].default << 20),
+    "MALLOC_MMAP_THRESHOLD_": str(process.MMAP_THRESHOLD_MAX),
+    "MALLOC_TRIM_THRESHOLD_": str(process.HEAP_KEEP_MB << 20),
 }
 UPLOAD_HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
 
 
-def variant_server(name: str, work: Path, index: int) -> Server:
+def variant_server(name: str, work: Path, index: int, baseline_tree: Path | None = None) -> Server:
     if name == "floor_raw":  # answers with 3 floats, like the light model
         command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
         return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
@@ -101,15 +90,21 @@ def variant_server(name: str, work: Path, index: int) -> Server:
         env = {**os.environ, **(HEAP_KEPT_ENV if name == "floor_heap_kept" else {})}
         return Server(name, command, env, "/", work / f"{name}.log")
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
-    if name == "service_heap_default":
-        env["SERVICE_HEAP_KEEP_MB"] = "0"
-    if name == "service_no_inline":  # every request through the engine thread (SERVICE_BATCHING__INLINE_MAX_MS)
-        env["SERVICE_BATCHING__INLINE_MAX_MS"] = "0"
-    if name == "service_no_gather":  # uvicorn's own writes: head and body of a response in two sends
-        env["SERVICE_HTTP_GATHER_WRITES"] = "false"
     if name == "service_workers":  # 2 workers and the engine process: the hand-over between processes
         env["SERVICE_WORKERS"] = "2"
+    if name == "baseline":
+        if baseline_tree is None:
+            raise ValueError("the baseline variant needs --baseline-tree")
+        return service_server(name, work / "models-baseline", "cpu", work, tree=baseline_tree, **env)
     return service_server(name, work / "models", "cpu", work, **env)
+
+
+def upload_light_model(url: str) -> None:
+    """The light model into a server's store (409 when it is there already: the store keeps it)."""
+    r = httpx.post(f"{url}/v1/models/light", content=light_model().SerializeToString(), headers=UPLOAD_HEADERS,
+                   timeout=120)
+    if r.status_code not in (201, 409):
+        raise RuntimeError(f"upload failed: {r.status_code} {r.text[:200]}")
 
 
 def light_model() -> onnx.ModelProto:
@@ -125,11 +120,12 @@ def light_model() -> onnx.ModelProto:
 
 
 def engine_ms(model: onnx.ModelProto, runs: int = 2000) -> float:
-    from service.runtime.engine import Engine, time_calls
-    from service.settings import EngineSettings
+    from service.runtime.contract import EngineOptions
+    from service.runtime.engine import OrtEngine
+    from service.runtime.tuner import time_calls
 
     x = {"input": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
-    with Engine.load(model, EngineSettings(device="cpu", buckets=(1,))) as engine:
+    with OrtEngine.load(model, EngineOptions(device="cpu", buckets=(1,))) as engine:
         return statistics.median(time_calls(lambda: engine.run(x), runs=runs, max_s=5.0))
 
 
@@ -139,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--baseline-tree", type=Path, help="a checkout of another commit: adds variant baseline")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/http-overhead-<date>.json)")
     args = parser.parse_args(argv)
     head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "httptools", "uvloop", "fastapi"))
@@ -149,18 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
     variants = [v for v in args.variants if v != "floor_granian" or importlib.util.find_spec("granian")]
+    variants = [v for v in variants if v != "baseline" or args.baseline_tree is not None]
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         work = Path(tmp)
-        with running(variant_server("service", work, -1), 120) as server:  # the store keeps it for every variant
-            r = httpx.post(
-                f"{server.url}/v1/models/light", content=model.SerializeToString(), headers=UPLOAD_HEADERS, timeout=120
-            )
-            r.raise_for_status()
+        for name in ("service", "baseline") if "baseline" in variants else ("service",):  # each store keeps it
+            with running(variant_server(name, work, -1, args.baseline_tree), 120) as server:
+                upload_light_model(server.url)
         for index in range(args.rounds):
             names = variants if index % 2 == 0 else variants[::-1]
             for name in names:
-                with running(variant_server(name, work, index), 120) as server:
+                with running(variant_server(name, work, index, args.baseline_tree), 120) as server:
                     times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
                 samples[name].append(statistics.median(times))
                 print(f"round {index + 1}: {name:15s} p50 {samples[name][-1]:.3f} ms", flush=True)
@@ -187,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         document["service_minus_floor_ms"] = p50["service"] - p50["floor"]
     if "service" in p50 and "service_workers" in p50:
         document["workers_minus_service_ms"] = p50["service_workers"] - p50["service"]
+    if "service" in p50 and "baseline" in p50:
+        document["service_over_baseline"] = p50["service"] / p50["baseline"]
+        document["baseline_tree_commit"] = common.git_commit(args.baseline_tree)
     path = common.write_result(
         "http-overhead", document, head=head, path=args.out or common.RESULTS_DIR / f"http-overhead-{head['date']}.json"
     )

@@ -3,7 +3,7 @@
     python3 bench/kernel_census.py [--models mnv3,resnet50] [--out FILE]      # GPU machine
     python bench/kernel_census.py --dry-run                                   # CPU: builds the graphs only
 
-Our optimized graphs (plain, NHWC, fp32 and fp16, as the tuner picks them) are loaded with our Engine
+Our optimized graphs (plain, NHWC, fp32 and fp16, as the tuner picks them) are loaded with our OrtEngine
 without CUDA graphs, so every kernel is launched and recorded on its own. ``torch.profiler`` (CUPTI)
 records the CUDA kernels of the whole process, ONNX Runtime's included, over 20 runs at batch 1. The
 script reports per run: graph nodes, kernels, kernels per node, summed kernel time, mean time per kernel,
@@ -47,12 +47,12 @@ def census(model: onnx.ModelProto) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from service.runtime.engine import Engine, random_feeds
-    from service.settings import EngineSettings
+    from service.runtime.contract import EngineOptions, random_feeds
+    from service.runtime.engine import OrtEngine
 
-    settings = EngineSettings(device="cuda", buckets=(1,), cuda_graph=False, prefer_nhwc="on")
-    with Engine.load(model, settings, variant="census") as engine:
-        feeds = random_feeds(engine.inputs, 1, np.random.default_rng(0))
+    settings = EngineOptions(device="cuda", buckets=(1,), cuda_graph=False)
+    with OrtEngine.load(model, settings, prefer_nhwc=True, variant="census") as engine:
+        feeds = random_feeds(engine.signature.inputs, 1, np.random.default_rng(0))
         for _ in range(10):
             engine.run(feeds)
         torch.cuda.synchronize()

@@ -1,26 +1,20 @@
 """CPU the server spends per request under concurrent load, by thread: what caps one event loop's rate.
 
-    python bench/server_cpu.py [--rounds 2] [--seconds 6] [--concurrency 8] [--batches 1,8]
+    python bench/server_cpu.py [--rounds 2] [--seconds 6] [--concurrency 1,8] [--batches 1,8] [--baseline-tree DIR]
 
-On the GPU machine our service answered at most about 1,200-1,550 single-image requests/s while the load
-generator could send 6,500-9,000 (bench/results/service-2026-11-30-cuda-run6-raw.json): one event loop's
-CPU per request is the limit. This benchmark measures that CPU directly. A model that does almost nothing
+On the GPU machine one event loop answered at most about 1,200-1,550 single-image requests/s while the load
+generator could send 6,500-9,000 (bench/results/service-2026-11-30-cuda-run6-raw.json): one event loop's CPU
+per request is the limit. This benchmark measures that CPU directly. A model that does almost nothing
 (GlobalAveragePool over [N, 3, 224, 224]: the demo model's 600 KB input per sample) is served on the CPU
-provider, the raw load generator of bench/service.py keeps ``--concurrency`` KServe V2 binary requests of
-each batch size in flight, and the server's CPU time is read from /proc per thread (the event loop's
-thread, ``main``, apart from the others: the engine thread and, on the CPU provider, ORT's own pool).
+provider, the raw load generator of bench/service.py keeps ``--concurrency`` KServe V2 binary requests of each
+batch size in flight (one point per concurrency), and the server's CPU time is read from /proc per thread (the
+event loop's thread, ``main``, apart from the others: the engine thread and ORT's own pool).
 
-Variants, alternating in rounds:
-
-- ``service`` and ``service_body_64k``: our server with its defaults, and with uvicorn's own 64 KiB
-  body buffer (``SERVICE_HTTP_BODY_BUFFER_KB=64``: uvicorn pauses the socket whenever more than that waits
-  for the app, so each image costs several pause/resume round trips through the event loop).
-- ``floor`` and ``floor_64k``: a bare ASGI app on the same uvicorn that reads the body and answers with as
-  many floats as the model would, with a 16 MiB and a 64 KiB body buffer.
-- ``floor_raw``: bench/raw_http_server.py, no framework (single-sample requests only: its answer is fixed).
-- ``service_workers``: our server with 2 workers and the engine process (``SERVICE_WORKERS=2``); its CPU is
-  read per process: the workers' CPU per request (``main_thread_...`` holds the workers' event-loop threads)
-  and the engine process's (in ``other_threads_...`` with the workers' other threads).
+Variants, alternating in rounds: ``service`` (our server), ``baseline`` (the same from ``--baseline-tree``, a
+checkout of another commit), ``floor`` (a bare ASGI app on the same uvicorn that reads the body and answers with
+as many floats as the model would), ``floor_raw`` (bench/raw_http_server.py, no framework; single-sample
+requests only) and ``service_workers`` (2 workers and the engine process, CPU read per process: the workers'
+event-loop threads in ``main_thread_...``, the engine process in ``other_threads_...``).
 
 Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (/proc).
 """
@@ -48,20 +42,25 @@ from bench import common, cpu_usage  # noqa: E402
 from bench.http_overhead import HEAP_KEPT_ENV, TOKEN, UPLOAD_HEADERS, light_model  # noqa: E402
 from bench.service import Server, binary_payload, run_point, running, service_server  # noqa: E402
 
-VARIANTS = ("service", "service_body_64k", "floor", "floor_64k", "floor_raw", "service_workers")
-def make_server(name: str, work: Path) -> Server:
+VARIANTS = ("service", "baseline", "floor", "floor_raw", "service_workers")
+BODY_BUFFER = 16 << 20
+"""The floor app's uvicorn body buffer: the server's own (service/server/process.py)."""
+
+
+def make_server(name: str, work: Path, baseline_tree: Path | None = None) -> Server:
     if name == "floor_raw":
         command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", "3"]
         return Server(name, command, dict(os.environ), "/", work / f"{name}.log")
     if name.startswith("floor"):
-        buffer = 64 * 1024 if name.endswith("64k") else 16 << 20
-        env = {**os.environ, **HEAP_KEPT_ENV, "FLOOR_BODY_BUFFER": str(buffer)}
+        env = {**os.environ, **HEAP_KEPT_ENV, "FLOOR_BODY_BUFFER": str(BODY_BUFFER)}
         return Server(name, [sys.executable, str(ROOT / "bench" / "floor_app.py")], env, "/", work / f"{name}.log")
     env = {"SERVICE_DEMO_MODEL": "false", "SERVICE_ADMIN_TOKEN": TOKEN}
-    if name == "service_body_64k":
-        env["SERVICE_HTTP_BODY_BUFFER_KB"] = "64"
     if name == "service_workers":
         env.update(SERVICE_WORKERS="2", SERVICE_STORE_SYNC_S="0.5")
+    if name == "baseline":
+        if baseline_tree is None:
+            raise ValueError("the baseline variant needs --baseline-tree")
+        return service_server(name, work / "models-baseline", "cpu", work, tree=baseline_tree, **env)
     return service_server(name, work / "models", "cpu", work, **env)
 
 
@@ -94,15 +93,15 @@ def event_loop_pids(server: Server) -> tuple[list[int], set[int]]:
     return [server.pid, *children], {pid for pid in children if pid != engine}
 
 
-def measure(server: Server, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Load at ``args.concurrency`` for ``args.seconds``; the server's CPU per request, main thread apart."""
+def measure(server: Server, batch: int, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Load at ``concurrency`` for ``args.seconds``; the server's CPU per request, main thread apart."""
     sample = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)
-    run_point(server.url, payload, args.concurrency, 0.5, 1.5, client="raw")  # warm: buffers, batch sizes
+    run_point(server.url, payload, concurrency, 0.5, 1.5, client="raw")  # warm: buffers, batch sizes
     hz = os.sysconf("SC_CLK_TCK")
     pids, loops = event_loop_pids(server)
     before = tree_cpu_ticks(pids)
-    point = run_point(server.url, payload, args.concurrency, 0.3, args.seconds, client="raw")
+    point = run_point(server.url, payload, concurrency, 0.3, args.seconds, client="raw")
     after = tree_cpu_ticks(pids)
     if point.errors or not point.requests:
         raise RuntimeError(f"{server.name} b{batch}: {point.errors} errors, first: {point.first_error}")
@@ -137,26 +136,27 @@ def upload_light_model(url: str) -> None:
 
 
 def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    samples: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for index in range(args.rounds):
         names = args.variants if index % 2 == 0 else args.variants[::-1]
         for name in names:
-            with running(make_server(name, work), 120) as server:
-                if name.startswith("service"):
+            with running(make_server(name, work, args.baseline_tree), 120) as server:
+                if not name.startswith("floor"):
                     upload_light_model(server.url)  # 409 after the first round: the store keeps it
                     if name == "service_workers":
                         wait_served_by_every_worker(server.url)
                 for batch in args.batches:
                     if name == "floor_raw" and batch > 1:
                         continue
-                    result = measure(server, batch, args)
-                    samples.setdefault((name, batch), []).append(result)
-                    print(f"round {index + 1}: {name:17s} b{batch}: {result['requests_per_s']:7.0f} req/s, CPU "
-                          f"{result['cpu_ms_per_request']:.3f} ms/request (main thread "
-                          f"{result['main_thread_cpu_ms_per_request']:.3f})", flush=True)
+                    for concurrency in args.concurrency:
+                        result = measure(server, batch, concurrency, args)
+                        samples.setdefault((name, batch, concurrency), []).append(result)
+                        print(f"round {index + 1}: {name:15s} b{batch} c{concurrency}: {result['requests_per_s']:7.0f}"
+                              f" req/s, CPU {result['cpu_ms_per_request']:.3f} ms/request (main thread "
+                              f"{result['main_thread_cpu_ms_per_request']:.3f})", flush=True)
     rows = []
-    for (name, batch), results in samples.items():
-        row: dict[str, Any] = {"variant": name, "batch": batch}
+    for (name, batch, concurrency), results in samples.items():
+        row: dict[str, Any] = {"variant": name, "batch": batch, "concurrency": concurrency}
         for key in results[0]:
             row[key] = statistics.median(r[key] for r in results)
         row["rounds"] = results
@@ -168,11 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per point")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8],
+                        help="requests in flight, one point each (default 8)")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    parser.add_argument("--baseline-tree", type=Path, help="a checkout of another commit: the baseline variant")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/server-cpu-<date>.json)")
     args = parser.parse_args(argv)
+    if args.baseline_tree is None:
+        args.variants = [v for v in args.variants if v != "baseline"]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -181,16 +185,24 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args, Path(tmp))
     document = {
         "model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input per sample), CPU provider",
-        "client": f"bench/service.py raw load generator, {args.concurrency} requests in flight, one process",
+        "client": "bench/service.py raw load generator, one process",
         "settings": {"rounds": args.rounds, "seconds": args.seconds, "concurrency": args.concurrency,
                      "batches": args.batches, "variants": args.variants},
         "rows": rows,
     }
+    if args.baseline_tree is not None:
+        document["baseline_tree_commit"] = common.git_commit(args.baseline_tree)
+        by_point = {(r["variant"], r["batch"], r["concurrency"]): r["cpu_ms_per_request"] for r in rows}
+        document["service_over_baseline_cpu"] = {
+            f"b{batch}_c{concurrency}": cpu / by_point[("baseline", batch, concurrency)]
+            for (name, batch, concurrency), cpu in by_point.items()
+            if name == "service" and ("baseline", batch, concurrency) in by_point
+        }
     path = common.write_result("server-cpu", document, head=head,
                                path=args.out or common.RESULTS_DIR / f"server-cpu-{head['date']}.json")
-    columns = ["variant", "batch", "requests_per_s", "p50_ms", "cpu_ms_per_request", "main_thread_cpu_ms_per_request",
-               "other_threads_cpu_ms_per_request"]
-    common.print_table(sorted(rows, key=lambda r: (r["batch"], r["variant"])), columns,
+    columns = ["variant", "batch", "concurrency", "requests_per_s", "p50_ms", "cpu_ms_per_request",
+               "main_thread_cpu_ms_per_request", "other_threads_cpu_ms_per_request"]
+    common.print_table(sorted(rows, key=lambda r: (r["batch"], r["concurrency"], r["variant"])), columns,
                        title="server CPU per request (medians of rounds)", digits=3)
     print(f"wrote {path}")
     return 0

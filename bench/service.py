@@ -5,11 +5,11 @@
 
 In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
 
-1. **Engine**: the served (optimized) model loaded in this process with ``Engine.load`` and timed with
-   ``Engine.run`` (host arrays in and out, as the service calls it) at batch 1 and at every bucket up
+1. **Engine**: the served (optimized) model loaded in this process with ``OrtEngine.load`` and timed with
+   ``OrtEngine.run`` (host arrays in and out, as the service calls it) at batch 1 and at every bucket up
    to the largest concurrency: the latency floor and the raw throughput a server could reach.
 2. **Servers**, one at a time, each a ``python -m service serve`` / uvicorn subprocess on 127.0.0.1:
-   (a) ``service``: ours with dynamic batching, (b) ``service_nobatch``: SERVICE_BATCHING__ENABLED=false,
+   (a) ``service``: ours with dynamic batching, (b) ``service_nobatch``: SERVICE_MAX_BATCH_SIZE=1,
    (c) ``naive``: bench/naive_server.py (one ORT session on the unoptimized model, one request = one
    inference, FastAPI + stdlib json).
 3. **Load**: an asyncio client with N concurrent workers (N = 1, 8, 32, 64) over ``--client-procs``
@@ -67,37 +67,16 @@ DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
     "naive": ("json",),
     "service_workers": ("binary", "binary_b*"),
-    "service_workers_own": ("binary", "binary_b*"),
-    "service_workers_in_flight1": ("binary", "binary_b*"),
-    "service_workers_in_flight4": ("binary", "binary_b*"),
-    "service_workers_pipeline": ("binary", "binary_b*"),
-    "service_workers_no_balance": ("binary", "binary_b*"),
-    "service_workers_bucket_copy": ("binary", "binary_b*"),
-    "service_bucket_copy": ("binary", "binary_b*"),
-    "service_gil5": ("binary",),
-    "service_heap_default": ("binary",),
-    "service_no_inline": ("binary",),
-    "service_body_64k": ("binary", "binary_b*"),
     "client_ceiling": ("binary",),
 }
-"""Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the variants are
-about binary; the ceiling server's fixed answer fits single-sample requests only."""
+"""Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the workers are
+measured on binary; the ceiling server's fixed answer fits single-sample requests only."""
 SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
     "service": {},
-    "service_nobatch": {"SERVICE_BATCHING__ENABLED": "false"},
-    "service_gil5": {"SERVICE_GIL_SWITCH_INTERVAL_MS": "5"},
-    "service_heap_default": {"SERVICE_HEAP_KEEP_MB": "0"},
-    "service_no_inline": {"SERVICE_BATCHING__INLINE_MAX_MS": "0"},
-    "service_no_spin": {"SERVICE_ENGINE__CPU_SPINNING": "false"},
-    "service_body_64k": {"SERVICE_HTTP_BODY_BUFFER_KB": "64"},
-    "service_bucket_copy": {"SERVICE_ENGINE__DIRECT_COPY": "false"},
+    "service_nobatch": {"SERVICE_MAX_BATCH_SIZE": "1"},
 }
-"""Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process;
-``service_workers_own`` the same workers with their own engines, ``service_workers_in_flight1`` and
-``_in_flight4`` with one and four batches in flight per worker, ``service_workers_pipeline`` with a runner
-thread per engine in the engine process, ``service_workers_no_balance`` without connection balancing,
-``service_bucket_copy`` / ``service_workers_bucket_copy`` with ORT's whole-bucket host-to-device copies instead
-of the engine's row copies): the settings each one changes."""
+"""Our server and its variants (``service_workers`` adds ``SERVICE_WORKERS=--workers``, one engine process):
+the settings each one changes."""
 # httptools and uvloop: uvicorn falls back to its pure-Python parser and asyncio's loop without them
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httptools", "uvloop", "httpx",
             "orjson")
@@ -121,6 +100,8 @@ class Server:
     log_path: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    cwd: Path = ROOT
+    """Where the server runs (another checkout for a baseline of an earlier commit)."""
 
     @property
     def url(self) -> str:
@@ -134,7 +115,7 @@ class Server:
         command = [*self.command, "--port", str(self.port)]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -175,17 +156,21 @@ def running(server: Server, timeout_s: float) -> Iterator[Server]:
         server.stop()
 
 
-def service_server(name: str, model_dir: Path, device: str, logs: Path, **env: str) -> Server:
+def service_server(
+    name: str, model_dir: Path, device: str, logs: Path, *, tree: Path = ROOT, **env: str
+) -> Server:
+    """``python -m service serve`` of this checkout, or of ``tree`` (an earlier commit's checkout: before
+    2026-12-02 its device variable was SERVICE_ENGINE__DEVICE, set here too for such a tree)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+    device_variable = "SERVICE_DEVICE" if (tree / "service" / "runtime" / "contract.py").exists() else \
+        "SERVICE_ENGINE__DEVICE"
     base.update(
-        SERVICE_DEMO_MODEL="true",
-        SERVICE_DEVICE=device,
-        SERVICE_LOG_LEVEL="warning",
-        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        {"SERVICE_DEMO_MODEL": "true", device_variable: device, "SERVICE_LOG_LEVEL": "warning",
+         "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     )
     base.update(env)  # the caller's settings win
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
-    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log")
+    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log", cwd=tree)
 
 
 def naive_server(model_path: Path, device: str, logs: Path) -> Server:
@@ -556,7 +541,7 @@ class EngineTable:
 
 
 def _time_run(engine: Any, feeds: dict[str, np.ndarray], runs: int, max_s: float) -> list[float]:
-    from service.runtime.engine import time_calls
+    from service.runtime.tuner import time_calls
 
     return time_calls(lambda: engine.run(feeds), runs=runs, max_s=max_s)
 
@@ -582,17 +567,18 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
     """
     from service.model_config import ModelConfig
     from service.optimizer.io import load_model_file
+    from service.registry.manager import engine_options
     from service.runtime.tuner import select_variant
-    from service.settings import EngineSettings, ServiceSettings
+    from service.settings import ServiceSettings
 
     version, meta = served_model(model_dir, name)
     variants = (meta.get("optimization") or {}).get("variants") or {}
     candidates = {key: load_model_file(version / entry["file"]) for key, entry in variants.items()}
-    settings = ServiceSettings(engine=EngineSettings(device=device))
+    settings = ServiceSettings(device=device)
     effective = ModelConfig.from_dict(meta.get("config")).effective(settings)
     engine, record = select_variant(
         candidates,
-        effective.engine_settings(settings),
+        engine_options(settings, effective),
         precision=effective.precision,
         cached_choice=meta.get("engine"),
     )
@@ -610,10 +596,10 @@ def idle_gaps(engine: Any, max_s: float, gap_s: float = IDLE_GAP_S, runs: int = 
     the GPU idles) and ``sleep_fresh_inputs`` (sleeps, and each call gets another of 16 input arrays, as
     each request brings a new body). Back to back (``run_ms``) is the engine's best case; these tell how
     much of a lone request's extra compute time comes from idling in between."""
-    from service.runtime.engine import random_feeds
+    from service.runtime.contract import random_feeds
 
     rng = np.random.default_rng(7)
-    fresh = [random_feeds(engine.inputs, 1, rng) for _ in range(16)]
+    fresh = [random_feeds(engine.signature.inputs, 1, rng) for _ in range(16)]
 
     def timed(pause: Callable[[], None], feeds: Callable[[int], dict[str, np.ndarray]]) -> float:
         times = []
@@ -645,13 +631,13 @@ def idle_gaps(engine: Any, max_s: float, gap_s: float = IDLE_GAP_S, runs: int = 
 
 def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: float) -> EngineTable:
     """Time Engine.run (host arrays in and out, as the batcher calls it) per batch size, in-process."""
-    from service.runtime.engine import random_feeds
+    from service.runtime.contract import random_feeds
 
     engine = load_served_engine(model_dir, DEMO_MODEL, device)
     try:
         run_ms, run_p99 = {}, {}
         for batch in batches:
-            feeds = random_feeds(engine.inputs, batch, np.random.default_rng(batch))
+            feeds = random_feeds(engine.signature.inputs, batch, np.random.default_rng(batch))
             times = _time_run(engine, feeds, runs=300 if batch == 1 else 100, max_s=max_s)
             run_ms[batch] = common.median(times)
             run_p99[batch] = common.percentile(times, 99)
@@ -877,17 +863,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--servers",
         default="service,service_nobatch,naive",
-        help="comma-separated, from: service, service_nobatch, naive, service_workers (SERVICE_WORKERS=--workers, "
-        "one engine process), service_workers_own (the same, each worker with its own engines), "
-        "service_workers_in_flight1 / _in_flight4 (the engine process with one / four batches in flight per worker), "
-        "service_workers_pipeline (SERVICE_ENGINE_PROCESS_PIPELINE=true), "
-        "service_workers_no_balance (SERVICE_BALANCE_CONNECTIONS=false), service_bucket_copy and "
-        "service_workers_bucket_copy (SERVICE_ENGINE__DIRECT_COPY=false: whole padded buckets through ORT), "
-        "service_gil5 (Python's default 5 ms GIL switch interval), service_heap_default (SERVICE_HEAP_KEEP_MB=0: "
-        "glibc's own heap thresholds), service_no_inline (SERVICE_BATCHING__INLINE_MAX_MS=0), "
-        "service_body_64k (SERVICE_HTTP_BODY_BUFFER_KB=64: uvicorn's own body buffer), service_no_spin "
-        "(SERVICE_ENGINE__CPU_SPINNING=false), client_ceiling "
-        "(bench/raw_http_server.py: what the load generator can send)",
+        help="comma-separated, from: service, service_nobatch (SERVICE_MAX_BATCH_SIZE=1), naive, service_workers "
+        "(SERVICE_WORKERS=--workers, one engine process), client_ceiling (bench/raw_http_server.py: what the load "
+        "generator can send)",
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json",
@@ -915,10 +893,10 @@ def resolve_device(requested: str) -> str:
     """'cuda' or 'cpu' for the servers and the in-process engine (auto: what the engine would pick)."""
     if requested != "auto":
         return requested
+    from service.runtime.contract import EngineOptions
     from service.runtime.device import resolve_device as engine_choice
-    from service.settings import EngineSettings
 
-    return "cuda" if engine_choice(EngineSettings(device="auto")).is_cuda else "cpu"
+    return "cuda" if engine_choice(EngineOptions(device="auto")).is_cuda else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -967,14 +945,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
         "naive": lambda: naive_server(original, device, logs),
         "client_ceiling": lambda: ceiling_server(per_sample_out, logs),
     }
-    workers = {"SERVICE_WORKERS": str(args.workers)}
-    variant_env = {**SERVICE_VARIANT_ENV, "service_workers": workers,
-                   "service_workers_own": {**workers, "SERVICE_ENGINE_PROCESS": "false"},
-                   "service_workers_in_flight1": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "1"},
-                   "service_workers_in_flight4": {**workers, "SERVICE_ENGINE_PROCESS_IN_FLIGHT": "4"},
-                   "service_workers_pipeline": {**workers, "SERVICE_ENGINE_PROCESS_PIPELINE": "true"},
-                   "service_workers_no_balance": {**workers, "SERVICE_BALANCE_CONNECTIONS": "false"},
-                   "service_workers_bucket_copy": {**workers, "SERVICE_ENGINE__DIRECT_COPY": "false"}}
+    variant_env = {**SERVICE_VARIANT_ENV, "service_workers": {"SERVICE_WORKERS": str(args.workers)}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
     out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"

@@ -24,7 +24,6 @@ Requests arrive checked (``InferenceRequest``); this module imports nothing from
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -48,8 +47,9 @@ from service.errors import (
     ServiceError,
     ShuttingDownError,
 )
-from service.runtime.batching import ShapeKey, shape_key, split_rows
+from service.runtime.batching import shape_key, split_rows
 from service.runtime.contract import Engine, InferenceRequest
+from service.runtime.request_queue import QueuedRequest, RequestQueue, timeout_error
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +95,6 @@ class BatchResult:
     """Samples in that engine call."""
 
 
-@dataclasses.dataclass(eq=False)
-class _Request:
-    rid: int
-    inputs: dict[str, np.ndarray]
-    n: int
-    key: ShapeKey
-    enqueued: float
-    deadline: float
-    future: asyncio.Future[BatchResult]
-    counted: bool = True
-    """Still counted in the queue depth (until its batch is handed to the engine, or it is dropped)."""
-
-
 class Batcher:
     """Queue + batch former + single engine thread for one loaded model version."""
 
@@ -122,14 +109,13 @@ class Batcher:
         self.timeout_s = policy.timeout_s
         self.name = name
         self._observer = observer
-        self._pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()
-        self._depth = 0
+        self._queue = RequestQueue(name, policy.timeout_s, observer.on_depth if observer is not None else None)
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
-        self._forming: list[_Request] = []
+        self._forming: list[QueuedRequest] = []
         self._executing = 0
         self.in_flight = max(1, int(engine.max_concurrent_calls))
         """Batches handed to the engine at once (its engine threads)."""
@@ -145,7 +131,7 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         """Samples waiting: queued or in a batch that is still forming (not yet handed to the engine)."""
-        return self._depth
+        return self._queue.depth
 
     @property
     def running(self) -> bool:
@@ -185,12 +171,12 @@ class Batcher:
         inputs, n = request.inputs, request.batch
         if n > self.queue_size:
             raise InvalidInputError(f"batch of {n} samples exceeds this model's limit of {self.queue_size}")
-        if self._depth + n > self.queue_size:
+        if self._queue.depth + n > self.queue_size:
             raise QueueFullError()
         if alone and self._may_run_inline(n):
             return self._run_inline(inputs, n)
         now = time.monotonic()
-        queued = _Request(
+        queued = QueuedRequest(
             rid=next(self._ids),
             inputs=inputs,
             n=n,
@@ -199,18 +185,17 @@ class Batcher:
             deadline=now + self.timeout_s,
             future=asyncio.get_running_loop().create_future(),
         )
-        self._pending[queued.rid] = queued
-        self._change_depth(n)
+        self._queue.add(queued)
         self._wakeup.set()
         try:
             return await asyncio.wait_for(queued.future, timeout=self.timeout_s)
         except TimeoutError:
             raise RequestTimeoutError(f"request timed out after {self.timeout_s:g} s") from None
         finally:
-            self._forget(queued)
+            self._queue.forget(queued)
 
     def _may_run_inline(self, n: int) -> bool:
-        if self.inline_max_s <= 0 or self._pending or self._forming or self._executing:
+        if self.inline_max_s <= 0 or self._queue or self._forming or self._executing:
             return False
         last = self._lone_run_s.get(n)
         return last is not None and last <= self.inline_max_s
@@ -251,12 +236,12 @@ class Batcher:
         if self._wakeup is not None:
             self._wakeup.set()
         if not drain:
-            self._fail_pending(ShuttingDownError("the model is shutting down"))
+            self._queue.fail_all(ShuttingDownError("the model is shutting down"))
         if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout=timeout_s)
             except TimeoutError:
-                self._fail_pending(ShuttingDownError("the model is shutting down"))
+                self._queue.fail_all(ShuttingDownError("the model is shutting down"))
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
@@ -279,46 +264,13 @@ class Batcher:
         except Exception:
             log.exception("batcher %s: finalizing the engine failed", self.name)
 
-    # ------------------------------------------------------------------ queue bookkeeping
-
-    def _forget(self, request: _Request) -> None:
-        """Its caller is gone (done, timed out or cancelled): free its place at once."""
-        self._pending.pop(request.rid, None)
-        self._uncount(request)
-
-    def _take(self, request: _Request) -> None:
-        """Out of the queue; still counted while its batch forms."""
-        del self._pending[request.rid]
-
-    def _drop(self, request: _Request) -> None:
-        self._take(request)
-        self._uncount(request)
-
-    def _uncount(self, request: _Request) -> None:
-        if request.counted:
-            request.counted = False
-            self._change_depth(-request.n)
-
-    def _change_depth(self, delta: int) -> None:
-        self._depth += delta
-        if self._observer is not None:
-            try:
-                self._observer.on_depth(self._depth)
-            except Exception:
-                log.exception("batcher %s: on_depth callback failed", self.name)
-
-    def _fail_pending(self, exc: ServiceError) -> None:
-        for request in list(self._pending.values()):
-            self._drop(request)
-            _resolve_exception(request, copy.copy(exc))
-
     # ------------------------------------------------------------------ the batching task
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
         while True:
             try:
-                if not self._pending:
+                if not self._queue:
                     if self._closing:
                         if self._running:  # batches still with the engine finish first
                             await asyncio.gather(*self._running, return_exceptions=True)
@@ -330,9 +282,9 @@ class Batcher:
             except asyncio.CancelledError:
                 error = ShuttingDownError("the model is shutting down")
                 for request in self._forming:
-                    self._uncount(request)
-                    _resolve_exception(request, copy.copy(error))
-                self._fail_pending(error)
+                    self._queue.uncount(request)
+                    request.fail(copy.copy(error))
+                self._queue.fail_all(error)
                 for task in list(self._running):
                     task.cancel()
                 raise
@@ -365,33 +317,17 @@ class Batcher:
 
         task.add_done_callback(finished)
 
-    def _oldest_live(self) -> _Request | None:
-        """Pop queued requests until one that may still run; expired ones fail without running."""
-        now = time.monotonic()
-        while self._pending:
-            request = next(iter(self._pending.values()))
-            if request.future.done():
-                self._drop(request)
-                continue
-            if request.deadline <= now:
-                self._drop(request)
-                _resolve_exception(request, _timeout_error(self.timeout_s))
-                continue
-            self._take(request)
-            return request
-        return None
-
-    async def _collect(self) -> list[_Request]:
+    async def _collect(self) -> list[QueuedRequest]:
         """Form one batch: the oldest request plus compatible ones, until full or the delay passed."""
         assert self._wakeup is not None
-        first = self._oldest_live()
+        first = self._queue.oldest_live()
         if first is None:
             return []
         batch, total = [first], first.n
         self._forming = batch
         window_end = first.enqueued + self.max_delay_s
         while total < self.max_batch_size:
-            total, blocked = self._add_compatible(batch, total)
+            total, blocked = self._queue.take_compatible(batch, total, self.max_batch_size)
             remaining = window_end - time.monotonic()
             if blocked or total >= self.max_batch_size or remaining <= 0 or self._closing:
                 break
@@ -399,48 +335,26 @@ class Batcher:
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout=remaining)
             except TimeoutError:
-                self._add_compatible(batch, total)
+                self._queue.take_compatible(batch, total, self.max_batch_size)
                 break
         return batch
 
-    def _add_compatible(self, batch: list[_Request], total: int) -> tuple[int, bool]:
-        """Move queued requests with the batch's shape key into it, in arrival order, while they fit.
-        Returns the new sample count and whether a compatible request did not fit (the batch is done)."""
-        key = batch[0].key
-        now = time.monotonic()
-        for request in list(self._pending.values()):
-            if request.future.done():
-                self._drop(request)
-                continue
-            if request.key != key:
-                continue
-            if total + request.n > self.max_batch_size:
-                return total, True
-            if request.deadline <= now:
-                self._drop(request)
-                _resolve_exception(request, _timeout_error(self.timeout_s))
-                continue
-            self._take(request)
-            batch.append(request)
-            total += request.n
-        return total, False
-
-    def _hand_over(self, batch: list[_Request]) -> list[_Request]:
+    def _hand_over(self, batch: list[QueuedRequest]) -> list[QueuedRequest]:
         """The formed batch leaves the queue's count; returns the requests still worth running."""
         self._forming = []
         now = time.monotonic()
         live = []
         for request in batch:
-            self._uncount(request)  # handed to the engine: no longer waiting
+            self._queue.uncount(request)  # handed to the engine: no longer waiting
             if request.future.done():  # cancelled or timed out while the batch formed
                 continue
             if request.deadline <= now:
-                _resolve_exception(request, _timeout_error(self.timeout_s))
+                request.fail(timeout_error(self.timeout_s))
                 continue
             live.append(request)
         return live
 
-    async def _run_live(self, live: list[_Request]) -> None:
+    async def _run_live(self, live: list[QueuedRequest]) -> None:
         if not live:
             return
         assert self._executor is not None
@@ -455,12 +369,12 @@ class Batcher:
             )
         except asyncio.CancelledError:
             for request in live:
-                _resolve_exception(request, ShuttingDownError("the model is shutting down"))
+                request.fail(ShuttingDownError("the model is shutting down"))
             raise
         except Exception as exc:
             error = exc if isinstance(exc, ServiceError) else _engine_error(self.name, exc)
             for request in live:
-                _resolve_exception(request, copy.copy(error))
+                request.fail(copy.copy(error))
             return
         finally:
             self._executing -= 1
@@ -504,15 +418,6 @@ class Batcher:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _resolve_exception(request: _Request, exc: BaseException) -> None:
-    if not request.future.done():
-        request.future.set_exception(exc)
-
-
-def _timeout_error(timeout_s: float) -> RequestTimeoutError:
-    return RequestTimeoutError(f"request timed out after {timeout_s:g} s")
 
 
 def _engine_error(name: str, exc: BaseException) -> EngineError:

@@ -41,7 +41,7 @@ from service.runtime.buckets import (
     run_options,
 )
 from service.runtime.contract import EngineOptions, PageLocker, Signature, TensorSpec, random_feeds
-from service.runtime.device import CPU, CUDA, CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime, resolve_device
+from service.runtime.device import CUDA, CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime, resolve_device
 from service.runtime.sessions import CUDA_INTRA_OP_THREADS, CudaTuning, cpu_session, cuda_session
 
 logger = logging.getLogger(__name__)
@@ -137,62 +137,8 @@ class OrtEngine:
         ``prefer_nhwc`` None: NHWC unless the graph has FusedConv (no NHWC kernel: it adds transposes).
         ``_io_binding_on_cpu`` is for tests: it runs the CUDA path's binding code on the CPU.
         """
-        started = time.perf_counter()
-        proto, data = _proto_and_bytes(model)
-        buckets = _buckets(options.buckets, Signature.from_onnx(proto).inputs)
-        choice = resolve_device(options)
-        ops = tuple(sorted({node.op_type for node in proto.graph.node}))
-        if choice.is_cuda:
-            nhwc = "FusedConv" not in ops if prefer_nhwc is None else prefer_nhwc
-            engine = cls._load_cuda(proto, data, options, choice, buckets, variant, CudaTuning(nhwc, fuse_conv_bias))
-        else:
-            built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, _precision(proto))
-            engine = cls._warmed(cpu_session(data, options), proto, choice=choice, options=options, buckets=buckets,
-                                 variant=built, io_binding=_io_binding_on_cpu)
-        engine.load_s = time.perf_counter() - started
-        logger.info("%s", engine._summary())
-        return engine
-
-    @classmethod
-    def _load_cuda(
-        cls, proto: onnx.ModelProto, data: bytes, options: EngineOptions, choice: DeviceChoice,
-        buckets: tuple[int, ...], variant: str, tuning: CudaTuning,
-    ) -> OrtEngine:
-        """CUDA session with graphs when possible; any capture problem falls back to no graphs, logged."""
-        ops = tuple(sorted({node.op_type for node in proto.graph.node}))
-
-        def built(graph: bool, fallback: str | None = None) -> _Variant:
-            return _Variant(variant, tuning.prefer_nhwc, tuning.fuse_conv_bias, graph, fallback,
-                            len(proto.graph.node), ops, _precision(proto))
-
-        common = dict(choice=choice, options=options, buckets=buckets)
-        fallback = None
-        if options.cuda_graph and Signature.from_onnx(proto).fixed_shapes:
-            try:
-                session = cuda_session(data, options, tuning, graph=True)
-                return cls._warmed(session, proto, variant=built(True), **common)
-            except GraphUnusable as exc:
-                fallback = str(exc)
-            except Exception as exc:  # ORT refuses graphs when a node is not on the CUDA EP
-                fallback = f"CUDA graph capture failed: {first_line(exc)}"
-            logger.warning("variant %s: CUDA graphs off for this model (%s)", variant, fallback)
-        try:
-            session = cuda_session(data, options, tuning, graph=False)
-            return cls._warmed(session, proto, variant=built(False, fallback), **common)
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"could not load the model on {CUDA}: {first_line(exc)}") from exc
-
-    @classmethod
-    def _warmed(cls, session: ort.InferenceSession, model: onnx.ModelProto, **kwargs: Any) -> OrtEngine:
-        engine = cls(session, model, **kwargs)
-        try:
-            engine._warm()
-        except BaseException:
-            engine.close()
-            raise
-        return engine
+        return load_engine(model, options, prefer_nhwc=prefer_nhwc, fuse_conv_bias=fuse_conv_bias, variant=variant,
+                           io_binding_on_cpu=_io_binding_on_cpu)
 
     def _warm(self) -> None:
         """Bind and run every bucket (CUDA: capture its graph and check a replay against a plain run)."""
@@ -433,20 +379,6 @@ class OrtEngine:
             "load_s": round(self.load_s, 3),
         }
 
-    def _summary(self) -> str:
-        built = self._built
-        if not self._choice.is_cuda:
-            return (f"engine {self.variant}: {CPU} ({self._choice.reason}); "
-                    f"max batch {self.max_batch_size}, {self.load_s:.2f}s to load")
-        graph = "CUDA graph per bucket" if built.cuda_graph else "no CUDA graphs"
-        return (
-            f"engine {self.variant}: {CUDA} ({self._choice.reason}); buckets {list(self.buckets)}, {graph}, "
-            f"IO binding {'on' if self._io_binding else 'off'}, host-to-device {self.host_to_device}, "
-            f"prefer_nhwc {'on' if built.prefer_nhwc else 'off'}, "
-            f"fuse_conv_bias {'on' if built.fuse_conv_bias else 'off'}, {built.precision}, "
-            f"{self.load_s:.2f}s to load and warm"
-        )
-
     def close(self) -> None:
         """Release the session, its graphs and device buffers. Idempotent; waits for a call in flight."""
         with self._guard:
@@ -466,6 +398,84 @@ class OrtEngine:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load_engine(
+    model: onnx.ModelProto | bytes,
+    options: EngineOptions,
+    *,
+    prefer_nhwc: bool | None,
+    fuse_conv_bias: bool,
+    variant: str,
+    io_binding_on_cpu: bool,
+) -> OrtEngine:
+    """``OrtEngine.load``: the device, the session (with CUDA graphs when they work), every bucket warmed."""
+    started = time.perf_counter()
+    proto, data = _proto_and_bytes(model)
+    buckets = _buckets(options.buckets, Signature.from_onnx(proto).inputs)
+    choice = resolve_device(options)
+    ops = tuple(sorted({node.op_type for node in proto.graph.node}))
+    if choice.is_cuda:
+        nhwc = "FusedConv" not in ops if prefer_nhwc is None else prefer_nhwc
+        engine = _load_cuda(proto, data, options, choice, buckets, variant, CudaTuning(nhwc, fuse_conv_bias))
+    else:
+        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, _precision(proto))
+        engine = _warmed(cpu_session(data, options), proto, choice=choice, options=options, buckets=buckets,
+                         variant=built, io_binding=io_binding_on_cpu)
+    engine.load_s = time.perf_counter() - started
+    logger.info("%s", _summary(engine.describe()))
+    return engine
+
+def _load_cuda(
+    proto: onnx.ModelProto, data: bytes, options: EngineOptions, choice: DeviceChoice,
+    buckets: tuple[int, ...], variant: str, tuning: CudaTuning,
+) -> OrtEngine:
+    """CUDA session with graphs when possible; any capture problem falls back to no graphs, logged."""
+    ops = tuple(sorted({node.op_type for node in proto.graph.node}))
+
+    def built(graph: bool, fallback: str | None = None) -> _Variant:
+        return _Variant(variant, tuning.prefer_nhwc, tuning.fuse_conv_bias, graph, fallback,
+                        len(proto.graph.node), ops, _precision(proto))
+
+    common = dict(choice=choice, options=options, buckets=buckets)
+    fallback = None
+    if options.cuda_graph and Signature.from_onnx(proto).fixed_shapes:
+        try:
+            session = cuda_session(data, options, tuning, graph=True)
+            return _warmed(session, proto, variant=built(True), **common)
+        except GraphUnusable as exc:
+            fallback = str(exc)
+        except Exception as exc:  # ORT refuses graphs when a node is not on the CUDA EP
+            fallback = f"CUDA graph capture failed: {first_line(exc)}"
+        logger.warning("variant %s: CUDA graphs off for this model (%s)", variant, fallback)
+    try:
+        session = cuda_session(data, options, tuning, graph=False)
+        return _warmed(session, proto, variant=built(False, fallback), **common)
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"could not load the model on {CUDA}: {first_line(exc)}") from exc
+
+def _warmed(session: ort.InferenceSession, model: onnx.ModelProto, **kwargs: Any) -> OrtEngine:
+    engine = OrtEngine(session, model, **kwargs)
+    try:
+        engine._warm()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _summary(info: dict[str, Any]) -> str:
+    """One log line from ``describe()``."""
+    head = f"engine {info['variant']}: {info['provider']} ({info['device']})"
+    if info["device_id"] is None:
+        return f"{head}; max batch {info['max_batch_size']}, {info['load_s']:.2f}s to load"
+    graphs = "CUDA graph per bucket" if info["cuda_graph"] else "no CUDA graphs"
+    return (f"{head}; buckets {info['buckets']}, {graphs}, host-to-device {info['host_to_device']}, prefer_nhwc "
+            f"{info['prefer_nhwc']}, fuse_conv_bias {info['fuse_conv_bias']}, {info['precision']}, "
+            f"{info['load_s']:.2f}s to load and warm")
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -13,7 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import engine_process_overhead  # noqa: E402
 from bench import service as service_bench  # noqa: E402
 
 METRICS = """\
@@ -57,13 +56,6 @@ def test_each_call_costs_its_bucket_not_the_interpolated_mean(counters: service_
     assert eng.throughput_of_mix(counters) < eng.throughput_at(16 / 6)  # padding: never above the mean's
     other = service_bench.EngineTable("p", {"buckets": [1, 3, 8]}, run_ms, run_ms, None)
     assert other.throughput_of_mix(counters) is None  # the bounds do not name this engine's padding
-
-
-def test_fixed_wait_gpu_times_follow_the_table() -> None:
-    table = {1: 1.0, 2: 1.5, 4: 2.0}
-    assert engine_process_overhead.gpu_ms(1, table) == 1.0
-    assert engine_process_overhead.gpu_ms(3, table) == pytest.approx(1.75)
-    assert engine_process_overhead.gpu_ms(8, table) == pytest.approx(4.0)  # above the table: per sample
 
 
 def test_server_timing_reads_the_services_own_histograms(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from service.api import bodies, codecs
 from service.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
-from service.runtime.contract import NUMPY_TO_KSERVE, TensorSpec
+from service.runtime.contract import NUMPY_TO_KSERVE, Signature, TensorSpec
 
 SPECS_IN = [
     TensorSpec("img", np.dtype(np.float32), (None, 2, 3)),
@@ -22,6 +22,9 @@ SPECS_IN = [
     TensorSpec("half", np.dtype(np.float16), (None, 2)),
 ]
 SPECS_OUT = [TensorSpec("a", np.dtype(np.float32), (None, 2)), TensorSpec("b", np.dtype(np.int64), (None,))]
+SIG = Signature(tuple(SPECS_IN), tuple(SPECS_OUT))
+IMG_ONLY = Signature((SPECS_IN[0],), tuple(SPECS_OUT))
+IMG_AND_IDS = Signature(tuple(SPECS_IN[:2]), tuple(SPECS_OUT))
 
 
 def _arrays(n: int = 2) -> dict[str, np.ndarray]:
@@ -52,12 +55,12 @@ def _v2_binary(arrays: dict[str, np.ndarray], **extra: object) -> tuple[bytes, s
 def test_binary_inputs_of_every_kind_round_trip() -> None:
     arrays = _arrays(3)
     body, length = _v2_binary(arrays)
-    req = codecs.decode_v2_request(body, length, SPECS_IN, SPECS_OUT)
-    assert set(req.inputs) == set(arrays)
+    req = codecs.decode_v2_request(body, length, SIG)
+    assert set(req.request.inputs) == set(arrays) and req.request.batch == 3
     for name, want in arrays.items():
-        assert req.inputs[name].dtype == want.dtype
-        np.testing.assert_array_equal(req.inputs[name], want)
-    assert req.outputs is None and req.binary == {"a": False, "b": False}
+        assert req.request.inputs[name].dtype == want.dtype
+        np.testing.assert_array_equal(req.request.inputs[name], want)
+    assert req.request.outputs is None and req.binary == {"a": False, "b": False}
 
 
 def test_json_inputs_flat_and_nested() -> None:
@@ -66,10 +69,20 @@ def test_json_inputs_flat_and_nested() -> None:
         {"name": "img", "datatype": "FP32", "shape": [2, 2, 3], "data": arrays["img"].reshape(-1).tolist()},
         {"name": "ids", "datatype": "INT64", "shape": [2, 4], "data": arrays["ids"].tolist()},
     ]
-    req = codecs.decode_v2_request(orjson.dumps({"id": "x", "inputs": tensors}), None, SPECS_IN, SPECS_OUT)
+    req = codecs.decode_v2_request(orjson.dumps({"id": "x", "inputs": tensors}), None, IMG_AND_IDS)
     assert req.id == "x"
-    np.testing.assert_array_equal(req.inputs["img"], arrays["img"])
-    np.testing.assert_array_equal(req.inputs["ids"], arrays["ids"])
+    np.testing.assert_array_equal(req.request.inputs["img"], arrays["img"])
+    np.testing.assert_array_equal(req.request.inputs["ids"], arrays["ids"])
+
+
+def test_a_missing_input_or_a_batch_disagreement_is_refused() -> None:
+    arrays = _arrays(2)
+    body, length = _v2_binary({"img": arrays["img"]})
+    with pytest.raises(InvalidInputError, match="missing input 'ids': expected INT64 \\[-1, 4\\]"):
+        codecs.decode_v2_request(body, length, IMG_AND_IDS)
+    body, length = _v2_binary({"img": arrays["img"], "ids": arrays["ids"][:1]})
+    with pytest.raises(InvalidInputError, match="disagree on the batch size \\(2 and 1\\)"):
+        codecs.decode_v2_request(body, length, IMG_AND_IDS)
 
 
 def test_binary_flags_request_default_and_per_output() -> None:
@@ -78,18 +91,14 @@ def test_binary_flags_request_default_and_per_output() -> None:
         parameters={"binary_data_output": True},
         outputs=[{"name": "b", "parameters": {"binary_data": False}}, {"name": "a"}],
     )
-    req = codecs.decode_v2_request(body, length, SPECS_IN, SPECS_OUT)
-    assert req.outputs == ["b", "a"]
+    req = codecs.decode_v2_request(body, length, IMG_ONLY)
+    assert req.request.outputs == ("b", "a")
     assert req.binary == {"b": False, "a": True}
 
 
 def test_declared_shape_is_checked_before_the_data_is_touched() -> None:
-    calls: list[tuple[str, list[int], int]] = []
-
-    def check(name: str, shape: list[int], itemsize: int) -> None:
-        calls.append((name, list(shape), itemsize))
-        raise InvalidInputError(f"input {name!r}: too large")
-
+    """A shape of 10**15 rows over a 4-byte tail: the signature's size bound refuses it before any read."""
+    limited = IMG_ONLY.limited(max_batch=None, max_bytes=1 << 20)
     header = orjson.dumps(
         {
             "inputs": [
@@ -102,15 +111,16 @@ def test_declared_shape_is_checked_before_the_data_is_touched() -> None:
             ]
         }
     )
-    with pytest.raises(InvalidInputError, match="too large"):
-        codecs.decode_v2_request(header + b"\0" * 4, str(len(header)), SPECS_IN, SPECS_OUT, check)
-    assert calls == [("img", [10**15, 2, 3], 4)]
+    with pytest.raises(InvalidInputError, match=r"input 'img': shape \[1000000000000000, 2, 3\] is too large"):
+        codecs.decode_v2_request(header + b"\0" * 4, str(len(header)), limited)
+    with pytest.raises(InvalidInputError, match="exceeds this model's limit of 8"):
+        codecs.decode_v2_request(header + b"\0" * 4, str(len(header)), IMG_ONLY.limited(max_batch=8, max_bytes=None))
 
 
 def test_huge_json_shape_is_refused_by_the_byte_bound() -> None:
     tensor = {"name": "img", "datatype": "FP32", "shape": [10**12, 2, 3], "data": [1.0]}
     with pytest.raises(InvalidInputError, match="more than the request carries"):
-        codecs.decode_v2_request(orjson.dumps({"inputs": [tensor]}), None, SPECS_IN, SPECS_OUT)
+        codecs.decode_v2_request(orjson.dumps({"inputs": [tensor]}), None, IMG_ONLY)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +147,7 @@ def test_bad_binary_tensor_headers(mutate, message: str | None) -> None:
     mutate(tensor)
     header = orjson.dumps({"inputs": [tensor]})
     with pytest.raises(BadRequestError) as info:
-        codecs.decode_v2_request(header + x.tobytes(), str(len(header)), SPECS_IN, SPECS_OUT)
+        codecs.decode_v2_request(header + x.tobytes(), str(len(header)), IMG_ONLY)
     if message:
         assert message in info.value.message
 
@@ -156,10 +166,10 @@ def test_requested_outputs_are_bounded_and_known() -> None:
     base = {"name": "img", "datatype": "FP32", "shape": [1, 2, 3], "data": x.reshape(-1).tolist()}
     many = orjson.dumps({"inputs": [base], "outputs": [{"name": "a"}] * 65})
     with pytest.raises(BadRequestError, match="outputs"):
-        codecs.decode_v2_request(many, None, SPECS_IN, SPECS_OUT)
+        codecs.decode_v2_request(many, None, IMG_ONLY)
     unknown = orjson.dumps({"inputs": [base], "outputs": [{"name": "zzz"}]})
     with pytest.raises(BadRequestError, match="zzz"):
-        codecs.decode_v2_request(unknown, None, SPECS_IN, SPECS_OUT)
+        codecs.decode_v2_request(unknown, None, IMG_ONLY)
 
 
 # ------------------------------------------------------------------ V2 responses
@@ -199,14 +209,14 @@ def test_deep_json_is_a_clear_400() -> None:
 
 
 def test_nested_lists_take_the_model_dtype() -> None:
-    arrays = codecs.arrays_from_nested({"ids": [[1, 2, 3, 4]], "img": [[[0.5] * 3] * 2]}, SPECS_IN)
+    arrays = codecs.arrays_from_nested({"ids": [[1, 2, 3, 4]], "img": [[[0.5] * 3] * 2]}, SIG)
     assert arrays["ids"].dtype == np.int64 and arrays["img"].dtype == np.float32
-    with pytest.raises(InvalidInputError, match="unexpected input 'x'"):
-        codecs.arrays_from_nested({"x": [1]}, SPECS_IN)
+    with pytest.raises(InvalidInputError, match="unknown input 'x'; the model's inputs are: 'img', 'ids'"):
+        codecs.arrays_from_nested({"x": [1]}, SIG)
     with pytest.raises(InvalidInputError, match="'ids'"):
-        codecs.arrays_from_nested({"ids": [[1, 2], [3]]}, SPECS_IN)
+        codecs.arrays_from_nested({"ids": [[1, 2], [3]]}, SIG)
     with pytest.raises(InvalidInputError, match="'ids'"):
-        codecs.arrays_from_nested({"ids": [[2**70]]}, SPECS_IN)
+        codecs.arrays_from_nested({"ids": [[2**70]]}, SIG)
 
 
 # ------------------------------------------------------------------ .npy

@@ -113,10 +113,8 @@ def test_other_transport_calls_pass_through():
         loop.close()
 
 
-@pytest.mark.parametrize(("gather", "expected"), [(True, GatheredWritesProtocol), (False, "auto")])
-def test_the_setting_chooses_the_protocol(gather, expected):
-    settings = ServiceSettings(http_gather_writes=gather, _env_file=None)
-    assert uvicorn_config(settings, object()).http == expected
+def test_the_server_always_writes_through_the_gathering_protocol():
+    assert uvicorn_config(ServiceSettings(_env_file=None), object()).http is GatheredWritesProtocol
 
 
 def test_a_real_uvicorn_answers_through_it(monkeypatch):

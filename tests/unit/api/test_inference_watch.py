@@ -22,7 +22,7 @@ class FakeModel:
         self.delay_s = delay_s
         self.ended = ""
 
-    async def infer(self, inputs, outputs, *, alone=False):
+    async def infer(self, checked, *, alone=False):
         self.alone = alone
         try:
             await asyncio.sleep(self.delay_s)
@@ -44,7 +44,8 @@ def request(disconnect_after_s: float | None) -> tuple[Request, list[int]]:
         await asyncio.sleep(disconnect_after_s)
         return {"type": "http.disconnect"}
 
-    app = types.SimpleNamespace(state=types.SimpleNamespace(inflight=inference.InFlight()))
+    dataplane = types.SimpleNamespace(infer=lambda mv, checked, *, alone: mv.infer(checked, alone=alone))
+    app = types.SimpleNamespace(state=types.SimpleNamespace(inflight=inference.InFlight(), dataplane=dataplane))
     app.state.inflight.count = 1  # this request
     scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "app": app}
     return Request(scope, receive), receives
@@ -53,7 +54,7 @@ def request(disconnect_after_s: float | None) -> tuple[Request, list[int]]:
 async def test_a_quick_request_never_watches_its_connection() -> None:
     req, receives = request(None)
     model = FakeModel(0.001)  # quicker than WATCH_AFTER_S, yet several loop turns for a watcher to start
-    assert await inference.infer(req, model, {}, None) == "result"  # type: ignore[arg-type]
+    assert await inference.infer(req, model, None) == "result"  # type: ignore[arg-type]
     await asyncio.sleep(inference.WATCH_AFTER_S * 2)  # a leftover timer would fire now
     assert receives == [] and model.ended == "done"
     assert model.alone  # the only request in flight may run inline
@@ -65,7 +66,7 @@ async def test_a_waiting_request_is_cancelled_when_its_client_goes_away() -> Non
 
     async def handler() -> int:
         with pytest.raises(ClientDisconnect):
-            await inference.infer(req, model, {}, None)  # type: ignore[arg-type]
+            await inference.infer(req, model, None)  # type: ignore[arg-type]
         task = asyncio.current_task()
         assert task is not None
         return task.cancelling()  # the watcher's cancellation is consumed, not left pending
@@ -77,7 +78,7 @@ async def test_a_waiting_request_is_cancelled_when_its_client_goes_away() -> Non
 async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
     req, _ = request(None)
     model = FakeModel(5.0)
-    task = asyncio.ensure_future(inference.infer(req, model, {}, None))  # type: ignore[arg-type]
+    task = asyncio.ensure_future(inference.infer(req, model, None))  # type: ignore[arg-type]
     await asyncio.sleep(inference.WATCH_AFTER_S * 3)  # the watcher is running by now
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -89,7 +90,7 @@ async def test_a_request_among_others_is_not_alone() -> None:
     req, _ = request(None)
     req.app.state.inflight.count = 3
     model = FakeModel(0.0)
-    await inference.infer(req, model, {}, None)  # type: ignore[arg-type]
+    await inference.infer(req, model, None)  # type: ignore[arg-type]
     assert model.alone is False
 
 
