@@ -178,7 +178,7 @@ def test_every_kustomization_renders(rendered: dict[str, list[dict]]) -> None:
 
 def test_builtin_objects_match_the_kubernetes_schemas_strictly(rendered: dict[str, list[dict]]) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the test extra)")
-    custom = []
+    custom, invalid = [], []
     for root, objects in rendered.items():
         for obj in objects:
             try:
@@ -186,7 +186,8 @@ def test_builtin_objects_match_the_kubernetes_schemas_strictly(rendered: dict[st
             except kv.SchemaNotFoundError:
                 custom.append((obj["apiVersion"], obj["kind"]))
             except kv.ValidationError as exc:
-                pytest.fail(f"{root}: {obj['kind']}/{obj['metadata']['name']} is invalid: {exc.message}")
+                invalid.append(f"{root}: {obj['kind']}/{obj['metadata']['name']}: {exc.message}")
+    assert not invalid, "invalid against the Kubernetes schemas:\n" + "\n".join(invalid)
     unknown = set(custom) - set(CRD_FIELDS)
     assert not unknown, f"no schema and no field checks for {sorted(unknown)}: add them to CRD_FIELDS"
     assert set(custom) == set(CRD_FIELDS), "every custom resource kind checked here is rendered somewhere"
@@ -246,6 +247,7 @@ def checkov_report(rendered: dict[str, list[dict]], tmp_path_factory: pytest.Tem
     return report if isinstance(report, list) else [report]
 
 
+@pytest.mark.slow  # checkov's run: 6-10 s on a 2-core machine, once per session
 def test_checkov_kubernetes_policies_pass(checkov_report: list[dict]) -> None:
     (kubernetes,) = [r for r in checkov_report if r["check_type"] == "kubernetes"]
     summary = kubernetes["summary"]
