@@ -289,7 +289,8 @@ def test_probes_use_the_v2_health_endpoints(rendered: dict[str, list[dict]]) -> 
             assert get["port"] == "http", f"{where}: {probe} must target the REST port"
         startup = container["startupProbe"]
         budget = startup["periodSeconds"] * startup["failureThreshold"]
-        # At least the Dockerfile's own start period, which is sized for optimizing and warming a model.
+        # At least the Dockerfile's start period, and 10 min: optimizing and verifying one model may take
+        # 300 s (the optimizer's default timeout), the load-time tuner 60 s, then warm-up of every bucket.
         assert budget >= max(_start_period_s(), 600), f"{where}: startup budget {budget} s is too short"
 
 
@@ -436,8 +437,11 @@ def test_env_names_are_ones_the_server_reads_with_valid_values(
 ) -> None:
     from service.settings import ServiceSettings
 
+    isvc_model = _one(rendered, "kserve", "InferenceService")["spec"]["predictor"]["model"]
     for where, _spec, container in _server_containers(rendered):
         env = _env(container)
+        if where.startswith("kserve"):  # KServe merges the InferenceService's model env into the runtime's
+            env |= _env(isvc_model)
         unknown = {name for name in env if name.startswith("SERVICE_")} - SERVER_ENV
         assert not unknown, f"{where}: the server reads no {sorted(unknown)}"
         with monkeypatch.context() as patch:
