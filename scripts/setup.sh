@@ -15,3 +15,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extra:+[$extra]}"
   touch "$stamp"
 fi
+# checkov (the Kubernetes manifest policy checks) in its own environment: its pins clash with pytest's.
+tools=.venv/tools/checkov
+if [ "$extra" = test ] && { [ ! -x "$tools/bin/checkov" ] || [ pyproject.toml -nt "$tools/.installed" ]; }; then
+  [ -x "$tools/bin/python" ] || "$PYTHON" -m venv "$tools"
+  "$tools/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$tools/bin/python" -m pip install -q --disable-pip-version-check --group pyproject.toml:checkov
+  touch "$tools/.installed"
+fi
