@@ -106,26 +106,41 @@ class _Candidates:
 
 
 def _augment(root: int, candidates: _Candidates, match_exp: np.ndarray, match_got: np.ndarray) -> bool:
-    """Find an augmenting path from free expected row ``root`` (iterative DFS) and flip it; False if none."""
+    """Find an augmenting path from free expected row ``root`` (iterative DFS) and flip it; False if none.
+
+    Look-ahead: at every expected row a free candidate, if any, ends the path at once, so rows with many
+    alike partners (tied detections) are paired without a deep search."""
     reached_from: dict[int, int] = {}  # got row -> the expected row whose candidate list reached it
-    stack = [(root, iter(candidates(root)))]
-    while stack:
+    stack: list[tuple[int, object]] = []
+
+    def enter(i: int) -> int | None:
+        """Push expected row ``i``; return a free got row it can take, if any."""
+        rows = candidates(i)
+        free = rows[match_got[rows] < 0]
+        if free.size:
+            reached_from[int(free[0])] = i
+            return int(free[0])
+        stack.append((i, iter(rows.tolist())))
+        return None
+
+    end = enter(root)
+    while end is None and stack:
         i, pending = stack[-1]
         for j in pending:
-            j = int(j)
             if j in reached_from:
                 continue
             reached_from[j] = i
-            if match_got[j] < 0:
-                while True:  # flip the path root -> ... -> i -> j
-                    owner = reached_from[j]
-                    previous = match_exp[owner]
-                    match_got[j], match_exp[owner] = owner, j
-                    if owner == root:
-                        return True
-                    j = int(previous)
-            stack.append((int(match_got[j]), iter(candidates(int(match_got[j])))))
+            end = enter(int(match_got[j]))
             break
         else:
             stack.pop()
-    return False
+    if end is None:
+        return False
+    j = end
+    while True:  # flip the path root -> ... -> j
+        owner = reached_from[j]
+        previous = match_exp[owner]
+        match_got[j], match_exp[owner] = owner, j
+        if owner == root:
+            return True
+        j = int(previous)
