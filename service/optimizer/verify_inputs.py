@@ -13,9 +13,12 @@ Values come in kinds (``INPUT_KINDS``); trial ``t`` at every batch size uses kin
   activations of both signs and NaN where an op is undefined for negatives.
 - ``uniform``: uniform in [0, 1), the range of an image after ``ToTensor``: what torchvision's detectors
   (which normalise internally) and most exports are fed in practice.
-- ``shapes``: an image-like pattern in [0, 1]: a smooth gradient with a few flat rectangles of random
-  colour. Edges and flat regions of object size are what make a detector's backbone respond locally,
-  so its scores spread instead of all sitting at one level; noise gives every anchor about the same score.
+- ``shapes``: an image-like pattern in [0, 1]: a smooth gradient with a few rectangles of random colour,
+  plus a faint texture (uniform noise of +-0.02). Edges and regions of object size are what make a
+  detector's backbone respond locally, so its scores spread instead of all sitting at one level as they
+  do on noise. The texture keeps any two image windows from being identical: exactly equal windows give
+  exactly tied scores, and where a tie straddles a TopK's or NMS's cut-off even the *set* of selected
+  detections is left open, which no comparison could accept.
 - ``shapes255``: the same pattern in [0, 255], for models that take raw pixels. The large values also
   make an untrained classification head confident, so score thresholds (a detector's 0.05) are passed.
 
@@ -41,6 +44,7 @@ KIND_TEXT = {
 _SPATIAL_DEFAULT = {3: 64, 4: 224, 5: 32}
 _INT_HIGH = 4
 _RECTANGLES = (3, 7)  # per image, [low, high)
+_TEXTURE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,7 @@ def _float_values(shape: tuple[int, ...], rng: np.random.Generator, kind: str) -
 def shapes_pattern(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Images in [0, 1] over the last two dims of ``shape`` (the dim before them holds the channels when
     the rank is >= 4): a linear gradient in [0, 0.3] with 3-6 axis-aligned rectangles of a random colour in
-    [0.4, 1], each 10-50% of the image's height and width."""
+    [0.4, 1], each 10-50% of the image's height and width, plus uniform noise in [-0.02, 0.02]."""
     height, width = shape[-2], shape[-1]
     channels = shape[-3] if len(shape) >= 4 else 1
     images = int(np.prod(shape[:-3] if len(shape) >= 4 else shape[:-2]))
@@ -134,4 +138,5 @@ def shapes_pattern(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarr
             w = max(1, int(width * rng.uniform(0.1, 0.5)))
             top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
             image[:, top : top + h, left : left + w] = rng.uniform(0.4, 1.0, (channels, 1, 1))
-    return out.reshape(shape)
+    out += rng.uniform(-_TEXTURE, _TEXTURE, out.shape)
+    return np.clip(out, 0.0, 1.0).reshape(shape)

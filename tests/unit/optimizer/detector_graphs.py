@@ -4,8 +4,9 @@ Imported as a plain module (pytest puts this folder on sys.path). ``detector`` b
 detector: a strided conv predicts 4 box deltas and a score per anchor of a 4x4 grid (16 anchors per
 image), the scores are quantised to quarters so that many anchors tie, NonMaxSuppression selects, and
 Gathers return the selected boxes, scores, labels and image indices (torchvision-style flat outputs
-``[K, 4]``, ``[K]``...). Anchors are 6 wide on a stride of 4: neighbours overlap (IoU 0.2) below the IoU
-threshold 0.5, so which of two tied anchors comes first never changes which are kept, only their order.
+``[K, 4]``, ``[K]``...). Anchors are 6 wide on a stride of 4 and move by at most 0.2: neighbours overlap
+(IoU about 0.2) below the IoU threshold 0.5, so which of two tied anchors comes first never changes which
+are kept, only their order.
 
 Variants (keyword arguments) stand for an optimized copy:
 
@@ -72,7 +73,8 @@ def detector(
         n("Reshape", ["features", "grid"], ["per_anchor"]),  # [N, 5, 16]
         n("Slice", ["per_anchor", "zero_i", "four_i", "one_i"], ["deltas_t"]),  # [N, 4, 16]
         n("Transpose", ["deltas_t"], ["deltas"], perm=[0, 2, 1]),  # [N, 16, 4]
-        n("Mul", ["deltas", "delta_scale"], ["small_deltas"]),
+        n("Tanh", ["deltas"], ["bounded_deltas"]),
+        n("Mul", ["bounded_deltas", "delta_scale"], ["small_deltas"]),  # |delta| <= 0.2: IoU of neighbours ~0.2
         n("Add", ["anchors", "small_deltas"], ["boxes"]),  # [N, 16, 4]
         n("Slice", ["per_anchor", "four_i", "five_i", "one_i"], ["logits"]),  # [N, 1, 16]
         n("Sigmoid", ["logits"], ["probs"]),
