@@ -22,7 +22,7 @@ from service.optimizer.report import OptimizationReport, PassStat, op_histogram
 from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, check_tolerance, verify_equivalent
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
-OPTIMIZER_VERSION = "3"  # 2: sink_conv_bias; 3: fuse_bn_into_concat_convs, fuse_bn_into_next_conv
+OPTIMIZER_VERSION = "3"  # 2: sink_conv_bias; 3: fuse_bn_into_{concat_convs,next_conv}, sink_conv_bias spares padded 1x1
 # ONNX Runtime 1.2x-1.3x reads IR versions up to 10-13; never write a newer one than we need.
 MAX_IR_VERSION = 10
 

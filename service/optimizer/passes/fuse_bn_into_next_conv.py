@@ -4,7 +4,8 @@
 ``conv(x, W') + B'`` where ``W'[o, i, k] = W[o, i, k] * s[c]`` and ``B'[o] = B[o] + sum_{i,k} W[o, i, k] * t[c]``,
 ``c = g * (C / group) + i`` being input channel ``i`` of output ``o``'s group ``g`` (any group count). The bias
 term assumes every output pixel sees a whole window of real input: a padded pixel is 0 after the BN but
-would be ``t`` after the fold, so the Conv must not pad (``pads`` all 0, ``auto_pad`` NOTSET or VALID).
+would be ``t`` after the fold, so the Conv must not pad (``pads`` all 0, ``auto_pad`` NOTSET or VALID, or
+SAME with a 1x1 kernel, which pads nothing).
 
 Refused: a padded Conv, a BN output with another reader (or that is a graph output), a BN read as the Conv's
 weight or bias, non-constant weights, channel counts that disagree. ``fuse_bn_into_conv`` (the BN into the
@@ -17,7 +18,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from service.optimizer.passes._bn import bn_affine
-from service.optimizer.passes._conv import ConvParams, conv_params, replace_weight_bias
+from service.optimizer.passes._conv import ConvParams, conv_params, never_pads, replace_weight_bias
 from service.optimizer.passes._match import is_private, matches, single_consumer
 
 
@@ -44,19 +45,13 @@ def _match(graph: gs.Graph, bn: gs.Node):
     if conv.inputs[0] is not result or any(t is result for t in conv.inputs[1:]):
         return None
     params = conv_params(conv, transpose_ok=False)
-    if params is None or params.out_channels % int(conv.attrs.get("group", 1)) or not _never_pads(conv):
+    if params is None or params.out_channels % int(conv.attrs.get("group", 1)) or not never_pads(params):
         return None
     affine = bn_affine(bn, graph)
     channels = params.weight.shape[1] * int(conv.attrs.get("group", 1))
     if affine is None or affine[0].shape != (channels,):
         return None
     return params, affine
-
-
-def _never_pads(conv: gs.Node) -> bool:
-    auto_pad = conv.attrs.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    return auto_pad in ("NOTSET", "VALID") and not any(conv.attrs.get("pads", []))
 
 
 def _fold(params: ConvParams, scale: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -45,11 +45,13 @@ def _bn_conv(kit, *, weight_shape=(5, 4, 3, 3), x_shape=("N", 4, 9, 9), y_shape=
         ((5, 4, 3, 3), ("N", 4, 9, 9), ("N", 5, 7, 7), {}, True),
         ((5, 4, 3, 3), ("N", 4, 9, 9), ("N", 5, 7, 7), {"pads": [0, 0, 0, 0], "auto_pad": "NOTSET"}, False),
         ((5, 4, 1, 1), ("N", 4, 9, 9), ("N", 5, 5, 5), {"strides": [2, 2], "auto_pad": "VALID"}, True),
+        ((5, 4, 1, 1), ("N", 4, 9, 9), ("N", 5, 5, 5), {"strides": [2, 2], "auto_pad": "SAME_UPPER"}, True),
         ((6, 2, 3, 3), ("N", 4, 9, 9), ("N", 6, 7, 7), {"group": 2}, True),
         ((8, 1, 3, 3), ("N", 8, 9, 9), ("N", 8, 7, 7), {"group": 8}, False),
         ((6, 3, 3), ("N", 6, 10), ("N", 6, 8), {"group": 2}, True),
     ],
-    ids=["conv2d", "explicit-zero-pads-no-bias", "valid-strided-1x1", "grouped", "depthwise", "conv1d-grouped"],
+    ids=["conv2d", "explicit-zero-pads-no-bias", "valid-strided-1x1", "same-1x1", "grouped", "depthwise",
+         "conv1d-grouped"],
 )
 def test_bn_folds_into_the_unpadded_conv_after_it(kit, weight_shape, x_shape, y_shape, attrs, bias):
     model = _bn_conv(kit, weight_shape=weight_shape, x_shape=x_shape, y_shape=y_shape, conv_attrs=attrs, bias=bias)
@@ -81,13 +83,15 @@ def test_folded_values_match_the_formula(kit):
 
 
 @pytest.mark.parametrize(
-    "attrs",
-    [{"pads": [1, 1, 1, 1]}, {"pads": [0, 0, 1, 0]}, {"auto_pad": "SAME_UPPER"}, {"auto_pad": "SAME_LOWER"}],
-    ids=["pads", "one-side", "same-upper", "same-lower"],
+    ("attrs", "kernel"),
+    [({"pads": [1, 1, 1, 1]}, 3), ({"pads": [0, 0, 1, 0]}, 3), ({"auto_pad": "SAME_UPPER"}, 3),
+     ({"auto_pad": "SAME_LOWER"}, 3), ({"pads": [1, 1, 1, 1]}, 1)],
+    ids=["pads", "one-side", "same-upper", "same-lower", "padded-1x1"],
 )
-def test_padded_conv_leaves_the_graph_alone(kit, attrs):
-    y_shape = ("N", 5, 9, 9) if attrs != {"pads": [0, 0, 1, 0]} else ("N", 5, 8, 7)
-    model = _bn_conv(kit, y_shape=y_shape, conv_attrs=attrs)
+def test_padded_conv_leaves_the_graph_alone(kit, attrs, kernel):
+    y_shape = {(3, False): ("N", 5, 9, 9), (3, True): ("N", 5, 8, 7), (1, False): ("N", 5, 11, 11)}
+    model = _bn_conv(kit, weight_shape=(5, 4, kernel, kernel), y_shape=y_shape[kernel, attrs == {"pads": [0, 0, 1, 0]}],
+                     conv_attrs=attrs)
     count, optimized = kit.apply(model, fuse_bn_into_next_conv)
     assert count == 0
     assert kit.ops(optimized) == ["BatchNormalization", "Conv"]
