@@ -273,9 +273,10 @@ def _transpose(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 def _flatten(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     data = _data_only(walk, node, inputs)
     rank = walk.rank(node.input[0])
-    split = walk.normalized(_attr(node, "axis", 1), None if rank is None else rank + 1)
-    if data is None or data.axis is None or split is None or rank is None:
+    if data is None or data.axis is None or rank is None:
         return _same(node, None)
+    split = _attr(node, "axis", 1)
+    split = split + rank if split < 0 else split  # Flatten's axis lies in [-rank, rank]
     if data.axis == split - 1:  # the axis ends the first group: [A, K, f...] -> [A*K, F], rows of A*K
         return _same(node, 0)
     if data.axis == split and split == rank - 1:  # [A, K] -> [A, K]

@@ -66,6 +66,8 @@ def test_a_model_without_selection_has_no_unordered_tensor(kit):
         (("Transpose", ["det"], {"perm": [1, 0]}), [4, "K"], {}, 1),
         (("Unsqueeze", ["det", "zero"], {}), [1, "K", 4], {}, 1),
         (("Flatten", ["det"], {"axis": 1}), ["K", 4], {}, 0),
+        (("Flatten", ["det"], {"axis": -1}), ["K", 4], {}, 0),
+        (("Flatten", ["det"], {"axis": 0}), [1, "F"], {}, None),  # every detection in one row
         (("ReduceMax", ["det"], {"axes": [1], "keepdims": 0}), ["K"], {}, 0),
         (("Gather", ["det", "zero"], {"axis": 0}), [1, 4], {}, None),  # "the first detection": order-dependent
         (("Gather", ["det", "one"], {"axis": 1}), ["K", 1], {}, 0),  # a column of every detection
@@ -74,8 +76,11 @@ def test_a_model_without_selection_has_no_unordered_tensor(kit):
         (("Mul", ["det", "w"], {}), ["K", 4], {"w": [1.0, 2.0, 1.0, 2.0]}, 0),
         (("NonZero", ["det"], {}), [2, "Z"], {}, None),  # no rule: the axis is lost
     ],
-    ids=["reshape-rows", "reshape-flat", "transpose", "unsqueeze", "flatten", "reduce-values", "gather-first",
-         "gather-column", "concat-values", "slice-values", "broadcast-mul", "unknown-op"],
+    ids=[
+        "reshape-rows", "reshape-flat", "transpose", "unsqueeze", "flatten", "flatten-negative", "flatten-all",
+        "reduce-values", "gather-first", "gather-column", "concat-values", "slice-values", "broadcast-mul",
+        "unknown-op",
+    ],
 )
 def test_the_detection_axis_follows_the_op(kit, node, out_shape, inits, axis):
     op, inputs, attrs = node
