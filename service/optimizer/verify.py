@@ -243,8 +243,9 @@ class _Comparison:
         if unmatched:
             worst, part = closest_miss([p[0] for p in parts], [p[1] for p in parts], tolerances, assignment)
             names = ", ".join(f"'{t.key}'" for t, *_ in members)
-            label = members[0][0].label if len(members) == 1 else f"outputs {names}"
-            origin = " and ".join(sorted(self.sources.get(i, "?") for i in members[0][0].unordered.sources))
+            kind = "outputs" if all(t.is_output for t, *_ in members) else "tensors"
+            label = members[0][0].label if len(members) == 1 else f"{kind} {names}"
+            origin = self._origin(members[0][0].unordered.sources)
             raise VerificationError(
                 f"{label} {where}: {unmatched} of {groups * rows} detections {'has' if unmatched == 1 else 'have'}"
                 f" no match within rtol {tolerance_text(self.rtol)}/atol {tolerance_text(self.atol)} (largest"
@@ -253,6 +254,14 @@ class _Comparison:
         for (target, exp, _, _), (_, act3) in zip(members, parts, strict=True):
             matched = np.take_along_axis(act3, assignment[:, :, None], axis=1).reshape(exp.shape)
             self._compare(f"{target.label} {where}", exp, matched)
+
+    def _origin(self, sources: frozenset[int]) -> str:
+        """``NonMaxSuppression 'nms'``, or ``NonMaxSuppression 'nms' and 90 TopK nodes`` for many."""
+        by_op: dict[str, list[str]] = {}
+        for index in sorted(sources):
+            described = self.sources.get(index, "a selection node '?'")
+            by_op.setdefault(described.split(" ", 1)[0], []).append(described)
+        return " and ".join(names[0] if len(names) == 1 else f"{len(names)} {op} nodes" for op, names in by_op.items())
 
     def _set_tolerance(self, expected: np.ndarray) -> float:
         """The tolerance of one value of ``expected`` in a set comparison: atol + rtol * the output's scale

@@ -158,3 +158,20 @@ def test_a_bad_tolerance_is_refused(kit, tolerance):
     model = detector()
     with pytest.raises(ValueError, match="must be a finite number >= 0"):
         verify_equivalent(model, model, **tolerance)
+
+
+def test_a_set_from_several_selections_names_them_by_count(kit):
+    def model(scale: float) -> onnx.ModelProto:
+        nodes = [
+            kit.node("TopK", ["x", "k"], ["v1", "i1"], axis=1),
+            kit.node("Neg", ["x"], ["neg"]),
+            kit.node("TopK", ["neg", "k"], ["v2", "i2"], axis=1),
+            kit.node("Mul", ["v2", "s"], ["v2s"]),
+            kit.node("Concat", ["v1", "v2s"], ["values"], axis=1),
+        ]
+        inits = [kit.init("k", np.array([2], np.int64)), kit.init("s", np.array(scale, np.float32))]
+        return kit.model(nodes, [kit.inp("x", ["N", 6])], [kit.out("values", ["N", 4])], inits)
+
+    assert verify_equivalent(model(1.0), model(1.0)).unordered_rows["values"][0] == 4
+    with pytest.raises(VerificationError, match=r"output 'values' at batch 1 .*the order comes from 2 TopK nodes\)$"):
+        verify_equivalent(model(1.0), model(1.5))
