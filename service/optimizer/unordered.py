@@ -84,13 +84,14 @@ def unordered_tensors(model: onnx.ModelProto) -> dict[str, Unordered]:
 
 
 class _Walk:
+    """One pass over the main graph: the taint of every tensor so far, and the facts the rules consult."""
+
     def __init__(self, model: onnx.ModelProto) -> None:
         self.shapes = inferred_shapes(model)
         self.constants = {t.name: t for t in model.graph.initializer}
         self.constant_nodes = {
             node.output[0]: node for node in model.graph.node if node.op_type == "Constant" and node.output
         }
-        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         self.taint: dict[str, Unordered] = {}
 
     def visit(self, index: int, node: onnx.NodeProto) -> None:
@@ -193,14 +194,14 @@ def _elementwise(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     return _same(node, aligned.pop() if len(aligned) == 1 else None)
 
 
-def _data_only(walk: _Walk, node: onnx.NodeProto, inputs: list) -> Unordered | None:
+def _data_only(inputs: list) -> Unordered | None:
     """The taint of input 0 when no other input is tainted, else None."""
     return inputs[0] if inputs and inputs[0] is not None and all(t is None for t in inputs[1:]) else None
 
 
 def _batch_equivariant(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     """Ops that treat axis 0 as a batch of independent items (convolutions, pooling, normalisation)."""
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     return _same(node, 0 if data is not None and data.axis == 0 else None)
 
 
@@ -212,13 +213,13 @@ def _roi_align(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 
 def _gemm(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     ok = data is not None and data.axis == 0 and not _attr(node, "transA", 0)
     return _same(node, 0 if ok else None)
 
 
 def _matmul(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     rank, out_rank = walk.rank(node.input[0]), walk.rank(node.output[0])
     if data is None or data.axis is None or rank is None or out_rank is None or data.axis >= rank - 1:
         return _same(node, None)
@@ -240,7 +241,7 @@ def _gather(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 
 def _unsqueeze(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     axes = walk.ints(node, "axes", 1)
     rank = walk.rank(node.input[0])
     if data is None or data.axis is None or axes is None or rank is None:
@@ -252,7 +253,7 @@ def _unsqueeze(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 
 def _squeeze(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     axes = walk.ints(node, "axes", 1)
     rank = walk.rank(node.input[0])
     if data is None or data.axis is None or axes is None or rank is None:
@@ -262,7 +263,7 @@ def _squeeze(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 
 def _transpose(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     rank = walk.rank(node.input[0])
     if data is None or data.axis is None or rank is None:
         return _same(node, None)
@@ -271,7 +272,7 @@ def _transpose(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 
 def _flatten(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     rank = walk.rank(node.input[0])
     if data is None or data.axis is None or rank is None:
         return _same(node, None)
@@ -288,7 +289,7 @@ def _reshape(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     """The axis survives when some output dim ``j`` has the same (provably equal) product of dims before and
     after it as the detection axis has: then element counts force dim ``j`` to be the detection count and
     every detection's values stay together, in order."""
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     shape_in, shape_out = walk.shape(node.input[0]), walk.shape(node.output[0])
     if data is None or data.axis is None or shape_in is None or shape_out is None or data.axis >= len(shape_in):
         return _same(node, None)
@@ -318,7 +319,7 @@ def _concat(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 def _slice_like(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     """Slice/Split/Expand/Tile keep the data's axes; a slice along the detection axis keeps the first
     detections of the order the selection defined (by score), which is as unordered as before."""
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     if data is None:
         return _same(node, None)
     if node.op_type == "Expand":
@@ -331,7 +332,7 @@ def _slice_like(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
 
 def _reduce(walk: _Walk, node: onnx.NodeProto, inputs: list) -> list:
     """Over the detection axis a reduction is order-invariant (ArgMax/ArgMin are not: they give positions)."""
-    data = _data_only(walk, node, inputs)
+    data = _data_only(inputs)
     rank = walk.rank(node.input[0])
     if data is None or data.axis is None or rank is None:
         return _same(node, None)
