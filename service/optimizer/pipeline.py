@@ -18,8 +18,10 @@ from service.optimizer.passes.eliminate_identity import eliminate_identity
 from service.optimizer.passes.eliminate_noop_cast import eliminate_noop_cast
 from service.optimizer.passes.eliminate_noop_reshape import eliminate_noop_reshape
 from service.optimizer.passes.fold_constants import fold_constants
+from service.optimizer.passes.fuse_bn_into_concat_convs import fuse_bn_into_concat_convs
 from service.optimizer.passes.fuse_bn_into_conv import fuse_bn_into_conv
 from service.optimizer.passes.fuse_bn_into_gemm import fuse_bn_into_gemm
+from service.optimizer.passes.fuse_bn_into_next_conv import fuse_bn_into_next_conv
 from service.optimizer.passes.fuse_conv_add_relu_into_fusedconv import fuse_conv_add_relu_into_fusedconv
 from service.optimizer.passes.fuse_conv_relu_into_fusedconv import fuse_conv_relu_into_fusedconv
 from service.optimizer.passes.fuse_elementwise_into_conv import fuse_elementwise_into_conv
@@ -55,11 +57,13 @@ def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always) -> Pas
     return PassSpec(fn.__name__, fn, enabled)
 
 
-# Explicit order: clean up first, then fold normalisation into convolutions, then the activation
-# fusions, then constants into convolutions (after the activations: it would otherwise fold the
-# ``+ 3`` / ``/ 6`` of a hard-sigmoid that follows a conv into the conv and leave an unmatchable Clip),
-# then conv biases that only other convs read move into those (after every fold into a conv's bias), and
-# FusedConv last (it consumes the Relu/Add that the earlier passes leave).
+# Explicit order: clean up first, then fold normalisation into convolutions: a BN goes into the conv (or
+# the Concat of convs) that writes it, else into a Gemm, and only then into the conv that reads it (that
+# fold needs an unpadded reader, the backward ones need nothing, so a BN between two convs always goes
+# backwards). Then the activation fusions, then constants into convolutions (after the activations: it
+# would otherwise fold the ``+ 3`` / ``/ 6`` of a hard-sigmoid that follows a conv into the conv and leave
+# an unmatchable Clip), then conv biases that only other convs read move into those (after every fold
+# into a conv's bias), and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
 DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(constants_to_initializers),
     _spec(eliminate_identity),
@@ -67,7 +71,9 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(eliminate_noop_reshape),
     _spec(fold_constants),
     _spec(fuse_bn_into_conv),
+    _spec(fuse_bn_into_concat_convs),
     _spec(fuse_bn_into_gemm),
+    _spec(fuse_bn_into_next_conv),
     _spec(fuse_matmul_add_into_gemm),
     _spec(fuse_hardsigmoid),
     _spec(fuse_hardswish),

@@ -8,6 +8,8 @@ from typing import Any
 
 import onnx
 
+from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, tolerance_text
+
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
     """Node count per op type of the main graph (domain-qualified outside the default domain)."""
@@ -42,6 +44,14 @@ class OptimizationReport:
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     verify_batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    verify_rtol: float | None = None
+    verify_atol: float | None = None
+    """The tolerance verification used (None: not verified); see ``tolerance_note`` for the defaults."""
+    verify_input_kinds: list[str] = dataclasses.field(default_factory=list)
+    verify_unordered_rows: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Outputs compared as sets of detections: their detection count in every verification run."""
+    verify_selection_inputs: list[str] = dataclasses.field(default_factory=list)
+    """NonMaxSuppression/TopK inputs compared element by element besides the outputs."""
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,8 +83,35 @@ class OptimizationReport:
         if self.verified:
             lines.append(
                 f"verified: max |diff| {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}"
-                f" (batch sizes {self.verify_batch_sizes})"
+                f" (batch sizes {self.verify_batch_sizes}; inputs {', '.join(self.verify_input_kinds) or '?'})"
             )
+            lines.append(f"  tolerance: {tolerance_note(self.verify_rtol, self.verify_atol)}")
+            lines.extend(self._unordered_lines())
         else:
             lines.append("verified: no (verification disabled)")
         return "\n".join(lines)
+
+    def _unordered_lines(self) -> list[str]:
+        lines = []
+        if self.verify_selection_inputs:
+            lines.append("  NonMaxSuppression/TopK inputs compared: " + ", ".join(self.verify_selection_inputs))
+        for name, rows in self.verify_unordered_rows.items():
+            if any(rows):
+                lines.append(
+                    f"  {name}: compared as a set, {min(rows)}-{max(rows)} detections per run ({len(rows)} runs)"
+                )
+            else:
+                lines.append(f"  {name}: no detections in any of {len(rows)} runs: the detections were not compared")
+        return lines
+
+
+def tolerance_note(rtol: float | None, atol: float | None) -> str:
+    """``rtol 1e-4, atol 1e-5 (the default)``, or says how it departs from the default."""
+    if rtol is None or atol is None:
+        return "unknown"
+    text = f"rtol {tolerance_text(rtol)}, atol {tolerance_text(atol)}"
+    if (rtol, atol) == (DEFAULT_RTOL, DEFAULT_ATOL):
+        return f"{text} (the default)"
+    looser = rtol > DEFAULT_RTOL or atol > DEFAULT_ATOL
+    relation = "LOOSER than" if looser else "stricter than"
+    return f"{text} ({relation} the default rtol {tolerance_text(DEFAULT_RTOL)}, atol {tolerance_text(DEFAULT_ATOL)})"

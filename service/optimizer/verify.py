@@ -1,32 +1,51 @@
 """Numeric equivalence check: does the optimized model compute what the original computes?
 
 Both models run on ONNX Runtime's CPU provider with ORT's own graph optimizations off (so ORT cannot
-hide or cause a difference), on the same seeded random inputs, for a few batch sizes and trials.
+hide or cause a difference), on the same seeded inputs, for a few batch sizes and trials. The inputs and
+their kinds (standard normal, uniform [0, 1), image-like patterns in [0, 1] and [0, 255]) are described
+in ``service.optimizer.verify_inputs``; a model with a NonMaxSuppression or TopK gets every kind at every
+batch size, so that a detector sees inputs under which it selects something.
 
-An element matches when ``numpy.allclose`` would accept it (``|got - expected| <= atol + rtol *
-|expected|``) **or** when its difference is within ``atol + rtol * scale``, ``scale`` being the largest
-finite magnitude of that output. The second clause is needed because float32 rounding in a deep network
-scales with the activations, not with each element: on the zoo's ResNet-50, ORT's *own* optimizer
+**Tolerance** (``rtol``, ``atol``; default 1e-4 and 1e-5, the same for every comparison below, recorded
+in the result). An element matches when ``numpy.allclose`` would accept it (``|got - expected| <= atol +
+rtol * |expected|``) **or** when its difference is within ``atol + rtol * scale``, ``scale`` being the
+largest finite magnitude of that output. The second clause is needed because float32 rounding in a deep
+network scales with the activations, not with each element: on the zoo's ResNet-50, ORT's *own* optimizer
 (which folds BN into Conv exactly like our pass) changes logits of magnitude 5.9 by 1.05e-4, so
 elementwise ``allclose(rtol=1e-4, atol=1e-5)`` rejects ORT against itself on the logits near zero. A wrong
 rewrite moves outputs by a sizeable fraction of their scale and still fails by orders of magnitude.
 NaN in the same places on both sides counts as equal, NaN on one side only is a mismatch, infinities
 must match exactly; integer and bool outputs must be identical.
 
-Random inputs follow the original's input signature:
+**Outputs in order** are compared element by element with that rule.
 
-- float inputs: standard normal; integer inputs: uniform in [0, 4) (small, so they work as indices);
-  bool inputs: fair coin.
-- the first dim is the batch dim when it is symbolic: it takes each of ``batch_sizes``. When no input
-  has a symbolic first dim the model has a fixed batch and runs once (``batch_sizes`` reports that dim).
-- other symbolic dims: spatial dims (index >= 2) of image-like inputs get a size a CNN accepts (224 for
-  rank 4, 64 for rank 3, 32 for rank 5), every other one 1. A symbol seen twice gets the same size.
+**Unordered outputs** (derived from a NonMaxSuppression or TopK: ``service.optimizer.unordered`` finds them
+and their detection axis by walking the graph) are compared as **sets of detections**. Why: NMS's output
+order is not part of its function, and neither is TopK's among equal values; ONNX Runtime returns
+candidates with tied scores in the order they come in, so a correct rewrite that reorders or re-rounds
+candidates reorders the detections (torchvision's SSDLite: |diff| 240 in 'boxes' with every score and
+label right). The rule: the unordered outputs of one selection whose shapes agree up to the detection
+axis form one group; a detection is its slice along that axis in every output of the group (box, score
+and label together), the axes before it index independent sets (images of a batch). Each detection's
+values must then be matched one-to-one, within the tolerance above (the output's ``scale`` as for
+ordered outputs; integers exactly), by a maximum bipartite matching (``service.optimizer.row_matching``):
+unlike sorting by rounded keys no rounding boundary can separate two values within tolerance, unlike
+greedy pairing no detection steals another's only partner. Matched pairs then count towards
+``max_abs_diff``/``max_rel_diff`` like ordered elements. The number of detections must be equal. An
+unordered output whose detection axis the walk lost is compared along its leading axis, so a detection's
+own values are never treated as a set.
+
+**Selection inputs** (NMS boxes and scores, TopK's data) are compared too, as extra outputs of the
+verification copies (``service.optimizer.verify_targets``): with untrained weights a detector often selects
+nothing, and the result records how many detections each unordered output had in every run
+(``unordered_rows``), so "compared nothing" is visible in the report.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -36,11 +55,21 @@ import onnx
 import onnxruntime as ort
 
 from service.errors import OptimizationError, VerificationError
+from service.optimizer.row_matching import closest_miss, match_rows
+from service.optimizer.verify_inputs import (
+    INPUT_KINDS,
+    KIND_TEXT,
+    InputSpec,
+    effective_batch_sizes,
+    kind_of_trial,
+    random_feeds,
+)
+from service.optimizer.verify_targets import Plan, Target, plan
 
 log = logging.getLogger(__name__)
 
-_SPATIAL_DEFAULT = {3: 64, 4: 224, 5: 32}
-_INT_HIGH = 4
+DEFAULT_RTOL = 1e-4
+DEFAULT_ATOL = 1e-5
 _MAX_THREADS = 8
 _ORT_TYPES = {
     "tensor(float)": np.float32,
@@ -64,19 +93,36 @@ _SIGNATURE_RE = re.compile(r"onnxruntime::[\w:]+\([^)]*\)\s*")
 @dataclasses.dataclass(frozen=True)
 class VerificationResult:
     max_abs_diff: float
-    """Largest |optimized - original| over every compared (finite) element."""
+    """Largest |optimized - original| over every compared (finite) element (matched detections included)."""
     max_rel_diff: float
     """Largest |optimized - original| / (largest |original| of that output + atol): relative to the output's
     scale, so near-zero elements do not blow it up."""
     batch_sizes: tuple[int, ...]
     """The batch sizes that were actually compared."""
+    rtol: float = DEFAULT_RTOL
+    atol: float = DEFAULT_ATOL
+    """The tolerance every comparison used."""
+    input_kinds: tuple[str, ...] = ()
+    """The input kinds, in trial order, used at every batch size (see ``verify_inputs``)."""
+    unordered_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """For every output (and selection input) compared as a set: its number of detections in each run, in
+    run order (batch sizes ascending, trials within). All zeros: the detections themselves were never compared."""
+    selection_inputs: tuple[str, ...] = ()
+    """The NonMaxSuppression/TopK inputs compared in addition to the outputs (the original's names)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _InputSpec:
-    name: str
-    dtype: type
-    shape: tuple[int | str | None, ...]
+def check_tolerance(rtol: float, atol: float) -> None:
+    """Raise ValueError unless both are finite and >= 0."""
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"verification {name} must be a finite number >= 0, got {value!r}")
+
+
+def tolerance_text(value: float) -> str:
+    """1e-4 rather than 0.0001 or 1e-04."""
+    if value and not 1e-2 <= abs(value) < 1e4:
+        return np.format_float_scientific(value, trim="-", exp_digits=1)
+    return f"{value:g}"
 
 
 def verify_equivalent(
@@ -85,40 +131,57 @@ def verify_equivalent(
     *,
     batch_sizes: Sequence[int] = (1, 2),
     trials: int = 2,
-    rtol: float = 1e-4,
-    atol: float = 1e-5,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
     seed: int = 0,
 ) -> VerificationResult:
-    """Compare ``candidate`` against ``reference`` on random inputs.
+    """Compare ``candidate`` against ``reference`` on generated inputs (``trials`` per batch size; at least
+    one of every input kind when the original holds a NonMaxSuppression or TopK).
 
-    Raises VerificationError on the first mismatch (output, batch size, worst difference and where) and
-    OptimizationError when ONNX Runtime cannot load or run a model.
+    Raises VerificationError on the first mismatch (output, batch size, input kind, worst difference and
+    where), OptimizationError when ONNX Runtime cannot load or run a model, ValueError for a bad tolerance.
     """
-    comparison = _Comparison(_session(reference, "original"), _session(candidate, "optimized"), rtol, atol)
+    check_tolerance(rtol, atol)
+    targets = plan(reference, candidate)
+    comparison = _Comparison(targets, rtol, atol)
+    runs = max(1, trials, len(INPUT_KINDS) if targets.has_selection else 1)
     rng = np.random.default_rng(seed)
-    for batch in _effective_batch_sizes(comparison.specs, batch_sizes):
-        if not comparison.run_batch(batch, trials, rng):
+    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
+        if not comparison.run_batch(batch, runs, rng):
             log.info("the original model does not run at batch %d: not compared there", batch)
     if not comparison.compared:
-        raise OptimizationError(
-            f"the original model fails to run on ONNX Runtime: {comparison.first_failure}"
-        )
-    return VerificationResult(comparison.max_abs, comparison.max_rel, tuple(comparison.compared))
+        raise OptimizationError(f"the original model fails to run on ONNX Runtime: {comparison.first_failure}")
+    empty = [key for key, rows in comparison.rows.items() if not any(rows)]
+    if empty:
+        log.warning("no detections in any verification run of %s: only the NMS/TopK inputs were compared", empty)
+    return VerificationResult(
+        comparison.max_abs,
+        comparison.max_rel,
+        tuple(comparison.compared),
+        rtol=rtol,
+        atol=atol,
+        input_kinds=tuple(kind_of_trial(t) for t in range(runs)),
+        unordered_rows={key: tuple(rows) for key, rows in comparison.rows.items()},
+        selection_inputs=tuple(t.reference for t in targets.targets if not t.is_output),
+    )
 
 
 class _Comparison:
-    """Both sessions, the tolerances and the running worst differences of one verification."""
+    """Both sessions, what to compare, the tolerances and the running worst differences of one verification."""
 
-    def __init__(self, reference: ort.InferenceSession, candidate: ort.InferenceSession, rtol, atol) -> None:
-        self.reference, self.candidate = reference, candidate
+    def __init__(self, targets: Plan, rtol: float, atol: float) -> None:
+        self.reference = _session(targets.reference_bytes, "original")
+        self.candidate = _session(targets.candidate_bytes, "optimized")
+        self.targets = targets.targets
+        self.sources = targets.sources
         self.rtol, self.atol = rtol, atol
-        self.specs = _input_specs(reference)
-        _check_signatures(reference, candidate)
-        self.output_names = [o.name for o in reference.get_outputs()]
-        self.candidate_inputs = {i.name for i in candidate.get_inputs()}
+        self.specs = _input_specs(self.reference)
+        _check_signatures(self.reference, self.candidate, targets.outputs)
+        self.candidate_inputs = {i.name for i in self.candidate.get_inputs()}
         self.max_abs = 0.0
         self.max_rel = 0.0
         self.compared: list[int] = []
+        self.rows: dict[str, list[int]] = {t.key: [] for t in self.targets if t.unordered is not None}
         self.first_failure = ""
 
     def run_batch(self, batch: int, trials: int, rng: np.random.Generator) -> bool:
@@ -128,29 +191,95 @@ class _Comparison:
         despite a symbolic input dim): there is nothing to compare against there. The caller fails when
         no batch size could be compared at all.
         """
-        for trial in range(max(1, trials)):
-            feeds = _random_feeds(self.specs, batch, rng)
+        for trial in range(trials):
+            kind = kind_of_trial(trial)
+            feeds = random_feeds(self.specs, batch, rng, kind)
             try:
-                expected = self.reference.run(self.output_names, feeds)
+                expected = self.reference.run([t.reference for t in self.targets], feeds)
             except Exception as exc:
                 if trial == 0:
                     self.first_failure = self.first_failure or _short(exc)
                     return False
-                raise OptimizationError(
-                    f"the original model fails to run on ONNX Runtime: {_short(exc)}"
-                ) from exc
+                raise OptimizationError(f"the original model fails to run on ONNX Runtime: {_short(exc)}") from exc
             try:
                 got = self.candidate.run(
-                    self.output_names, {k: v for k, v in feeds.items() if k in self.candidate_inputs}
+                    [t.candidate for t in self.targets], {k: v for k, v in feeds.items() if k in self.candidate_inputs}
                 )
             except Exception as exc:
                 raise OptimizationError(
                     f"the optimized model fails to run at batch {batch} on ONNX Runtime: {_short(exc)}"
                 ) from exc
-            for name, exp, act in zip(self.output_names, expected, got, strict=True):
-                self._compare(f"output '{name}' at batch {batch}", np.asarray(exp), np.asarray(act))
+            self._compare_run(f"at batch {batch} ({KIND_TEXT[kind]})", expected, got)
         self.compared.append(batch)
         return True
+
+    def _compare_run(self, where: str, expected: list, got: list) -> None:
+        groups: dict[tuple, list[tuple[Target, np.ndarray, np.ndarray, int]]] = {}
+        for target, exp, act in zip(self.targets, expected, got, strict=True):
+            exp, act = np.asarray(exp), np.asarray(act)
+            if target.unordered is None or exp.ndim == 0:
+                self._compare(f"{target.label} {where}", exp, act)
+                continue
+            axis = target.unordered.axis
+            axis = axis if axis is not None and axis < exp.ndim else 0  # lost track: the leading axis
+            self._check_count(f"{target.label} {where}", exp, act, axis)
+            self.rows[target.key].append(math.prod(exp.shape[: axis + 1]))
+            key = (target.unordered.sources, axis, exp.shape[: axis + 1])
+            groups.setdefault(key, []).append((target, exp, act, axis))
+        for members in groups.values():
+            self._compare_sets(where, members)
+
+    def _compare_sets(self, where: str, members: list[tuple[Target, np.ndarray, np.ndarray, int]]) -> None:
+        """Match the group's detections one-to-one within tolerance, then compare the matched pairs."""
+        axis = members[0][3]
+        shape = members[0][1].shape[: axis + 1]
+        groups, rows = math.prod(shape[:axis]), shape[axis]
+        if not groups * rows:
+            return
+        parts = [(exp.reshape(groups, rows, -1), act.reshape(groups, rows, -1)) for _, exp, act, _ in members]
+        tolerances = [self._set_tolerance(exp) for _, exp, _, _ in members]
+        assignment = match_rows([p[0] for p in parts], [p[1] for p in parts], tolerances)
+        unmatched = int((assignment < 0).sum())
+        if unmatched:
+            worst, part = closest_miss([p[0] for p in parts], [p[1] for p in parts], tolerances, assignment)
+            names = ", ".join(f"'{t.key}'" for t, *_ in members)
+            kind = "outputs" if all(t.is_output for t, *_ in members) else "tensors"
+            label = members[0][0].label if len(members) == 1 else f"{kind} {names}"
+            origin = self._origin(members[0][0].unordered.sources)
+            raise VerificationError(
+                f"{label} {where}: {unmatched} of {groups * rows} detections {'has' if unmatched == 1 else 'have'}"
+                f" no match within rtol {tolerance_text(self.rtol)}/atol {tolerance_text(self.atol)} (largest"
+                f" |diff| {worst:.3g}, in '{members[part][0].key}'; compared as a set: the order comes from {origin})"
+            )
+        for (target, exp, _, _), (_, act3) in zip(members, parts, strict=True):
+            matched = np.take_along_axis(act3, assignment[:, :, None], axis=1).reshape(exp.shape)
+            self._compare(f"{target.label} {where}", exp, matched)
+
+    def _origin(self, sources: frozenset[int]) -> str:
+        """``NonMaxSuppression 'nms'``, or ``NonMaxSuppression 'nms' and 90 TopK nodes`` for many."""
+        by_op: dict[str, list[str]] = {}
+        for index in sorted(sources):
+            described = self.sources.get(index, "a selection node '?'")
+            by_op.setdefault(described.split(" ", 1)[0], []).append(described)
+        return " and ".join(names[0] if len(names) == 1 else f"{len(names)} {op} nodes" for op, names in by_op.items())
+
+    def _set_tolerance(self, expected: np.ndarray) -> float:
+        """The tolerance of one value of ``expected`` in a set comparison: atol + rtol * the output's scale
+        (which contains the elementwise allclose bound); integers and bools exactly."""
+        if expected.dtype.kind not in "fc":
+            return 0.0
+        values = np.abs(expected.astype(np.float64))
+        finite = values[np.isfinite(values)]
+        return self.atol + self.rtol * (float(finite.max()) if finite.size else 0.0)
+
+    @staticmethod
+    def _check_count(where: str, expected: np.ndarray, got: np.ndarray, axis: int) -> None:
+        if expected.shape != got.shape and expected.ndim == got.ndim and expected.shape[axis] != got.shape[axis]:
+            raise VerificationError(
+                f"{where}: {got.shape[axis]} detections where the original has {expected.shape[axis]}"
+                f" (shape {list(got.shape)} against {list(expected.shape)})"
+            )
+        _check_layout(where, expected, got)
 
     def _compare(self, where: str, expected: np.ndarray, got: np.ndarray) -> None:
         _check_layout(where, expected, got)
@@ -186,7 +315,7 @@ class _Comparison:
             raise VerificationError(
                 f"{where} differs from the original: |diff| {worst:.3g} at {tuple(int(i) for i in index)}"
                 f" (got {got64[index]:.6g}, expected {exp64[index]:.6g}; output scale {scale:.3g},"
-                f" rtol {self.rtol:g}, atol {self.atol:g})"
+                f" rtol {tolerance_text(self.rtol)}, atol {tolerance_text(self.atol)})"
             )
 
 
@@ -199,14 +328,13 @@ def _check_layout(where: str, expected: np.ndarray, got: np.ndarray) -> None:
         raise VerificationError(f"{where}: dtype {got.dtype} differs from the original's {expected.dtype}")
 
 
-def _session(model: onnx.ModelProto, role: str) -> ort.InferenceSession:
+def _session(data: bytes, role: str) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = _threads()
     options.inter_op_num_threads = 1
     options.log_severity_level = 4  # failures are raised with a short message; no log spam on stderr
     try:
-        data = model.SerializeToString()
         return ort.InferenceSession(data, sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise OptimizationError(f"the {role} model cannot be loaded by ONNX Runtime: {_short(exc)}") from exc
@@ -226,71 +354,26 @@ def _short(exc: BaseException) -> str:
     return first if len(first) <= 300 else first[:297] + "..."
 
 
-def _input_specs(session: ort.InferenceSession) -> list[_InputSpec]:
+def _input_specs(session: ort.InferenceSession) -> list[InputSpec]:
     specs = []
     for arg in session.get_inputs():
         if arg.type not in _ORT_TYPES:
             raise OptimizationError(f"cannot verify: input '{arg.name}' has unsupported type {arg.type}")
-        specs.append(_InputSpec(arg.name, _ORT_TYPES[arg.type], tuple(arg.shape)))
+        specs.append(InputSpec(arg.name, _ORT_TYPES[arg.type], tuple(arg.shape)))
     return specs
 
 
-def _check_signatures(ref_session: ort.InferenceSession, cand_session: ort.InferenceSession) -> None:
+def _check_signatures(
+    ref_session: ort.InferenceSession, cand_session: ort.InferenceSession, outputs: Sequence[str]
+) -> None:
     ref_in = {i.name for i in ref_session.get_inputs()}
     missing_in = sorted(i.name for i in cand_session.get_inputs() if i.name not in ref_in)
     if missing_in:
         raise VerificationError(f"the optimized model needs inputs the original lacks: {missing_in}")
     cand_out = {o.name for o in cand_session.get_outputs()}
-    missing_out = sorted(o.name for o in ref_session.get_outputs() if o.name not in cand_out)
+    missing_out = sorted(name for name in outputs if name not in cand_out)
     if missing_out:
         raise VerificationError(f"the optimized model lacks outputs of the original: {missing_out}")
-
-
-def _is_symbolic(dim) -> bool:
-    return not isinstance(dim, int) or dim < 0
-
-
-def _effective_batch_sizes(specs: list[_InputSpec], batch_sizes: Sequence[int]) -> list[int]:
-    """The requested sizes when some input has a symbolic first dim, else the one fixed batch."""
-    if any(spec.shape and _is_symbolic(spec.shape[0]) for spec in specs):
-        sizes = sorted({int(b) for b in batch_sizes if int(b) >= 1})
-        return sizes or [1]
-    fixed = [spec.shape[0] for spec in specs if spec.shape]
-    return [fixed[0] if fixed else 1]
-
-
-def _concrete_shape(spec: _InputSpec, batch: int, symbols: dict[str, int]) -> tuple[int, ...]:
-    shape = []
-    for axis, dim in enumerate(spec.shape):
-        if not _is_symbolic(dim):
-            shape.append(dim)
-            continue
-        if isinstance(dim, str) and dim in symbols:
-            shape.append(symbols[dim])
-            continue
-        size = batch if axis == 0 else (_SPATIAL_DEFAULT.get(len(spec.shape), 1) if axis >= 2 else 1)
-        if isinstance(dim, str) and dim:
-            symbols[dim] = size
-        shape.append(size)
-    return tuple(shape)
-
-
-def _random_feeds(specs: list[_InputSpec], batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    symbols: dict[str, int] = {}
-    # Symbols of the batch dim first, so a later input reusing the name agrees with the batch.
-    for spec in specs:
-        if spec.shape and isinstance(spec.shape[0], str) and spec.shape[0]:
-            symbols.setdefault(spec.shape[0], batch)
-    feeds = {}
-    for spec in specs:
-        shape = _concrete_shape(spec, batch, symbols)
-        if np.issubdtype(spec.dtype, np.floating):
-            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-        elif spec.dtype is np.bool_:
-            feeds[spec.name] = rng.random(shape) < 0.5
-        else:
-            feeds[spec.name] = rng.integers(0, _INT_HIGH, size=shape).astype(spec.dtype)
-    return feeds
 
 
 def _first_index(mask: np.ndarray) -> tuple[int, ...]:

@@ -80,3 +80,12 @@ def replace_weight_bias(
         node.inputs.append(new_bias)
 
 
+def never_pads(params: ConvParams) -> bool:
+    """True when no output pixel of the conv reads padding: ``pads`` all 0, and ``auto_pad`` NOTSET or VALID,
+    or SAME_* with a 1x1 kernel (SAME pads ``(ceil(in / stride) - 1) * stride + 1 - in <= 0`` there)."""
+    node = params.node
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if any(node.attrs.get("pads", [])):
+        return False
+    return auto_pad in ("NOTSET", "VALID") or all(k == 1 for k in params.weight.shape[2:])

@@ -10,7 +10,7 @@ The rewrite: ``y = conv(x, W) + b`` becomes ``conv(x, W)``, and ``b`` travels do
 offset. It passes through ``Add`` (the other operand is kept; the offset stays on the same channels) and
 ``GlobalAveragePool`` (the mean of a constant is the constant). A Conv that reads the offset folds it into
 its own bias: ``conv(t + b, V) + c = conv(t, V) + (c + sum_k V[:, :, k] . b)``, which is exact only where
-every output pixel sees the whole kernel window, so the reader must not pad (a 1x1 conv never does). Any
+every output pixel sees the whole kernel window, so the reader must not pad (``never_pads``). Any
 other reader (an activation, a graph output, a Mul...) leaves the bias where it is.
 
 Nodes are not removed, so node counts do not change; kernels do. On the CPU provider, which adds the bias
@@ -24,7 +24,7 @@ import heapq
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from service.optimizer.passes._conv import ConvParams, conv_params, replace_weight_bias
+from service.optimizer.passes._conv import ConvParams, conv_params, never_pads, replace_weight_bias
 from service.optimizer.passes._match import DEFAULT_DOMAINS, is_graph_output, taken_names
 from service.optimizer.passes._shapes import ensure_types, needs_types, tensor_dtype
 
@@ -130,16 +130,7 @@ def _absorbing_conv(node: gs.Node, offsets: dict[int, np.ndarray], channels: int
     params = conv_params(node, transpose_ok=False)
     if params is None or params.weight.shape[1] * int(node.attrs.get("group", 1)) != channels:
         return None
-    return params if _never_pads(node, params) else None
-
-
-def _never_pads(node: gs.Node, params: ConvParams) -> bool:
-    kernel = params.weight.shape[2:]
-    if all(k == 1 for k in kernel):
-        return True  # a 1x1 window is always whole, whatever the padding mode
-    auto_pad = node.attrs.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    return auto_pad in ("NOTSET", "VALID") and not any(node.attrs.get("pads", []))
+    return params if never_pads(params) else None
 
 
 def _fold(params: ConvParams, offset: np.ndarray) -> np.ndarray:

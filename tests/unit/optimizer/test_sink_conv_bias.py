@@ -78,7 +78,8 @@ def test_a_chain_of_residual_blocks_moves_every_projection_bias(kit):
         ((3, 3), {"auto_pad": "SAME_UPPER"}, False),
         ((3, 3), {}, True),
         ((3, 3), {"pads": [0, 0, 0, 0], "strides": [2, 2]}, True),
-        ((1, 1), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, True),  # a 1x1 window is always whole
+        ((1, 1), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, True),  # SAME pads nothing around a 1x1 window
+        ((1, 1), {"pads": [1, 1, 1, 1]}, False),  # explicit pads: the border pixels see only zeros
     ],
 )
 def test_a_reader_conv_must_not_pad(kit, kernel, attrs, moves):
