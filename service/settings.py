@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SERVICE_"
@@ -56,6 +56,13 @@ class ServiceSettings(BaseSettings):
     # ----------------------------------------------------------------------------- user settings
     host: str = Field("127.0.0.1", description="Bind address: loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free one).")
+    grpc_port: int | None = Field(
+        8001, ge=0, le=65535, description="KServe V2 gRPC port on the same host (0: pick a free one; off: no gRPC)."
+    )
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain: both listeners speak TLS (HTTPS and gRPC over TLS) when set."
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
     model_dir: Path = Field(Path("models"), description="The durable model store (a folder).")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token (16+ characters) for uploads and deletes; unset disables them (403)."
@@ -111,9 +118,26 @@ class ServiceSettings(BaseSettings):
         4096, ge=512, le=1_000_000, **_advanced("Address-space limit of the optimizer's child process.")
     )
     store_sync_s: float = Field(
-        2.0, gt=0.0, le=3600.0, **_advanced("How often a worker picks up the uploads and deletes of the other "
-                                            "workers sharing the store.")
+        2.0, gt=0.0, le=3600.0, **_advanced("How often a server picks up the uploads and deletes of the other "
+                                            "workers and replicas sharing the store.")
     )
+    model_import_dir: Path | None = Field(
+        None, **_advanced("A read-only folder of .onnx files (e.g. KServe's /mnt/models): each file is imported into "
+                          "the store at startup as a model named after it, unless that file is already stored.")
+    )
+
+    @field_validator("grpc_port", mode="before")
+    @classmethod
+    def _port_or_off(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", ""):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServiceSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
+        return self
 
     @field_validator("host")
     @classmethod
@@ -211,7 +235,6 @@ def describe_errors(exc: ValidationError) -> str:
     """``SERVICE_X: problem`` for each invalid setting, never echoing a value (the token is one)."""
     lines = []
     for error in exc.errors(include_url=False, include_input=False):
-        field = str(error["loc"][0]) if error.get("loc") else "settings"
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        lines.append(f"{ENV_PREFIX}{field.upper()}: {message}")
+        lines.append(f"{ENV_PREFIX}{str(error['loc'][0]).upper()}: {message}" if error.get("loc") else message)
     return "; ".join(lines)
