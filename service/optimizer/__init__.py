@@ -9,6 +9,7 @@ This package imports nothing from ``service.api`` or ``service.runtime``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import onnx
@@ -16,9 +17,11 @@ import onnx_graphsurgeon as gs
 
 from service.errors import InvalidModelError, OptimizationError
 from service.optimizer.opset import default_opset, upgrade_opset
-from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_pipeline
+from service.optimizer.passes.fold_input_normalization import InputNormalization, fold_input_normalization
+from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
 from service.optimizer.verify import verify_equivalent
+from service.optimizer.verify_normalization import verify_input_normalization
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
 OPTIMIZER_VERSION = "2"  # 2: sink_conv_bias
@@ -28,6 +31,7 @@ MAX_IR_VERSION = 10
 __all__ = [
     "DEFAULT_PIPELINE",
     "OPTIMIZER_VERSION",
+    "InputNormalization",
     "OptimizationReport",
     "OptimizerConfig",
     "PassSpec",
@@ -48,6 +52,10 @@ class OptimizerConfig:
     atol: float = 1e-5
     max_iterations: int = 8
     seed: int = 0
+    input_normalization: InputNormalization | None = None
+    """Make the served graph take raw pixels (uint8, NCHW or NHWC) and normalise them itself, folded into
+    the first convolution where possible (``passes/fold_input_normalization``); run once, after the
+    pipeline, and verified against the original fed the same normalisation computed in numpy."""
 
 
 def optimize(
@@ -68,6 +76,9 @@ def optimize(
     try:
         graph = gs.import_onnx(working)
         report.iterations, report.passes = run_pipeline(graph, config)
+        if config.input_normalization is not None:
+            fold = functools.partial(fold_input_normalization, normalization=config.input_normalization)
+            report.passes.append(run_once(graph, fold_input_normalization.__name__, fold))
         optimized = _export(graph, template=working)
     except (InvalidModelError, OptimizationError):
         raise
@@ -78,15 +89,12 @@ def optimize(
     report.opset_after = default_opset(optimized)
     report.ops_after = op_histogram(optimized)
     if config.verify:
-        result = verify_equivalent(
-            model,
-            optimized,
-            batch_sizes=config.verify_batch_sizes,
-            trials=config.verify_trials,
-            rtol=config.rtol,
-            atol=config.atol,
-            seed=config.seed,
-        )
+        tolerances = {"batch_sizes": config.verify_batch_sizes, "trials": config.verify_trials,
+                      "rtol": config.rtol, "atol": config.atol, "seed": config.seed}  # fmt: skip
+        if config.input_normalization is not None:
+            result = verify_input_normalization(model, optimized, config.input_normalization, **tolerances)
+        else:
+            result = verify_equivalent(model, optimized, **tolerances)
         report.verified = True
         report.max_abs_diff = result.max_abs_diff
         report.max_rel_diff = result.max_rel_diff
