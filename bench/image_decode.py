@@ -101,8 +101,7 @@ def _centre_crop(pixels: np.ndarray) -> np.ndarray:
 
 def torchvision_style(data: bytes) -> np.ndarray:
     """The reference: full decode, whole image resized, then cropped (what torchvision does on PIL)."""
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    return _centre_crop(np.asarray(image.resize(_resized_size(*image.size), Image.Resampling.BILINEAR)))
+    return images.reference(data)
 
 
 def pillow_full(data: bytes) -> np.ndarray:

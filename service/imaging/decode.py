@@ -55,7 +55,7 @@ def decode_image(
     with _decoder_errors(header, index):
         image = Image.open(io.BytesIO(data), formats=[header.format])
         orientation = _orientation(image)
-    if image.size != (header.width, header.height):
+    if image.size != (header.width, header.height):  # the pixel limit was checked against the header's size
         raise InvalidInputError(
             f"image {index}: corrupt {header.format} (header says {header.width}x{header.height}, "
             f"the decoder {image.width}x{image.height})"
@@ -166,7 +166,7 @@ def _decoder_errors(header: ImageHeader, index: int) -> Iterator[None]:
     except MemoryError as exc:
         raise PayloadTooLargeError(f"image {index}: too large to decode") from exc
     except Image.DecompressionBombError as exc:
-        raise PayloadTooLargeError(f"image {index}: {header.width}x{header.height} pixels is too large") from exc
+        raise PayloadTooLargeError(f"image {index}: too many pixels for the decoder ({exc})") from exc
     except UnidentifiedImageError as exc:
         raise InvalidInputError(f"image {index}: corrupt {header.format} (the decoder cannot read it)") from exc
     except Exception as exc:  # OSError, SyntaxError, ValueError, struct.error, EOFError ...: all bad data

@@ -10,9 +10,9 @@ needs; about a millisecond per 4 MB, no decompression), so a damaged or cut PNG 
 decoded into garbage. A JPEG has no checksum: damage inside its entropy-coded data that the decoder can
 conceal decodes (as in a browser); structural damage and truncation are refused.
 
-The parser is deliberately small and independent of the decoder: it reads segment lengths and stops at
-the first frame header. JPEG variants the decoder cannot take (12/16-bit samples, lossless, hierarchical,
-2 channels) are refused here as unsupported (415).
+The parser is deliberately small and independent of the decoder: it reads segment lengths up to the
+first scan and insists on exactly one frame header before it. JPEG variants the decoder cannot take
+(12/16-bit samples, lossless, hierarchical, 2 channels) are refused here as unsupported (415).
 """
 
 from __future__ import annotations
@@ -145,13 +145,18 @@ def _check_png_chunks(data: bytes, index: int) -> None:
 
 
 def _jpeg_header(data: bytes, index: int) -> ImageHeader:
-    """Walk the marker segments up to the first frame header (SOFn)."""
+    """Walk the marker segments up to the first scan (SOS): exactly one frame header (SOFn) must come
+    before it. (The decoder keeps the last frame header it meets, so a second one could claim another
+    size than the one the pixel limit was checked against.)"""
     position = 2
     size = len(data)
+    frame: ImageHeader | None = None
     while True:
         marker, position = _next_marker(data, position, index)
         if marker in _STANDALONE:
             continue
+        if marker == _SOS and frame is not None:
+            return frame
         if marker in (_SOS, _EOI) or marker == 0xD8:
             raise InvalidInputError(f"image {index}: corrupt JPEG (no frame header before marker {marker:02X})")
         if position + 2 > size:
@@ -160,7 +165,9 @@ def _jpeg_header(data: bytes, index: int) -> ImageHeader:
         if length < 2:
             raise InvalidInputError(f"image {index}: corrupt JPEG (segment length {length})")
         if marker in _SOF_DECODABLE or marker in _SOF_UNSUPPORTED:
-            return _frame(data, position, length, marker, index)
+            if frame is not None:
+                raise InvalidInputError(f"image {index}: corrupt JPEG (a second frame header)")
+            frame = _frame(data, position, length, marker, index)
         position += length
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
-from service.errors import OptimizationError
+from service.errors import OptimizationError, VerificationError
 from service.optimizer.passes.fold_input_normalization import InputNormalization
 
 # Package-private helpers of the generic verifier: one comparison rule for every check of the optimizer.
@@ -58,6 +58,7 @@ def verify_input_normalization(
             feeds = _random_feeds(comparison.specs, batch, rng)
             float_input = feeds[name]
             pixels = _pixels(float_input.shape, normalization, rng)
+            _check_wire_input(comparison.candidate, name, pixels)
             feeds[name] = _normalise(pixels, normalization, float_input.dtype)
             candidate_feeds = {**feeds, name: pixels}
             expected = _run(comparison.reference, comparison.output_names, feeds, "original", batch)
@@ -73,6 +74,21 @@ def _pixels(nchw_shape: tuple[int, ...], normalization: InputNormalization, rng:
     shape = (n, h, w, c) if normalization.layout == "NHWC" else (n, c, h, w)
     pixels = rng.integers(0, _PIXEL_HIGH, size=shape, dtype=np.uint8)
     return pixels if normalization.wire_dtype == "uint8" else pixels.astype(np.float32)
+
+
+def _check_wire_input(session, name: str, pixels: np.ndarray) -> None:
+    """The optimized graph's input must take what the normalisation says goes on the wire."""
+    (arg,) = [i for i in session.get_inputs() if i.name == name]
+    dtype = {"tensor(uint8)": np.uint8, "tensor(float)": np.float32}.get(arg.type)
+    fixed_dims_match = len(arg.shape) == pixels.ndim and all(
+        not isinstance(d, int) or d == n for d, n in zip(arg.shape, pixels.shape, strict=True)
+    )
+    if dtype != pixels.dtype or not fixed_dims_match:
+        kind = arg.type.removeprefix("tensor(").removesuffix(")").replace("float", "float32")
+        raise VerificationError(
+            f"the optimized model's input '{name}' takes {kind} {list(arg.shape)}, but the normalisation puts "
+            f"{pixels.dtype} {list(pixels.shape)} on the wire"
+        )
 
 
 def _normalise(pixels: np.ndarray, normalization: InputNormalization, dtype: np.dtype) -> np.ndarray:

@@ -54,3 +54,29 @@ def with_orientation(pixels: np.ndarray, orientation: int, fmt: str = "JPEG") ->
     exif = Image.Exif()
     exif[0x0112] = orientation
     return encode(pixels, fmt, exif=exif.tobytes())
+
+
+def reference(
+    data: bytes,
+    resize: int | tuple[int, int] | None = 256,
+    crop: tuple[int, int] | None = (224, 224),
+    resample: Image.Resampling = Image.Resampling.BILINEAR,
+) -> np.ndarray:
+    """What torchvision's ``Resize(resize)`` + ``CenterCrop(crop)`` give on the PIL image (EXIF orientation
+    applied first), written out independently of ``service.imaging``: full decode, the whole image resized,
+    then cropped. uint8 [H, W, 3] RGB."""
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+    width, height = image.size
+    if isinstance(resize, int):
+        size = (resize, int(resize * height / width)) if width <= height else (int(resize * width / height), resize)
+    elif resize is not None:
+        size = (resize[1], resize[0])
+    else:
+        size = (width, height)
+    pixels = np.asarray(image.resize(size, resample) if size != image.size else image)
+    if crop is None:
+        return pixels
+    top, left = round((size[1] - crop[0]) / 2.0), round((size[0] - crop[1]) / 2.0)
+    return pixels[top : top + crop[0], left : left + crop[1]]
