@@ -99,8 +99,9 @@ def assemble_batch(images: Sequence[np.ndarray], preprocess: Preprocess) -> np.n
                 f"image {index}: {image.shape[1]}x{image.shape[0]} pixels, but image 0 has {first[1]}x{first[0]}: "
                 "one batch needs one size (set a crop or an exact resize)"
             )
-    order = [0, 1, 2] if preprocess.channel_order == "RGB" else [2, 1, 0]
-    nhwc = np.stack(images)[..., order]
+    nhwc = np.stack(images)
+    if preprocess.channel_order == "BGR":
+        nhwc = nhwc[..., ::-1]  # a view: the one copy below makes it contiguous
     wire = nhwc if preprocess.layout == "NHWC" else nhwc.transpose(0, 3, 1, 2)
     if preprocess.wire_dtype == "uint8":
         return np.ascontiguousarray(wire)

@@ -43,6 +43,7 @@ import math
 from typing import Literal
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from service.errors import OptimizationError
@@ -168,7 +169,7 @@ def _wire_input(graph: gs.Graph, old: gs.Variable, normalization: InputNormaliza
                        attrs={"perm": _NHWC_TO_NCHW})  # fmt: skip
     float_dtype = np.dtype(old.dtype)
     if wire_dtype != float_dtype:
-        to = {np.dtype(np.float16): 10, np.dtype(np.float32): 1, np.dtype(np.float64): 11}[float_dtype]
+        to = onnx.helper.np_dtype_to_tensor_dtype(float_dtype)
         tensor = _node(graph, "Cast", [tensor], f"{name}_float", float_dtype, old.shape, taken, attrs={"to": to})
     return tensor
 
