@@ -25,6 +25,8 @@ same minutes of a noisy machine; medians over ``rounds * runs`` calls. Images ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import io
 import math
 import os
@@ -77,10 +79,20 @@ def _turbo() -> Any:
 TURBO = _turbo()
 
 
-def _plan_of(data: bytes) -> tuple[Plan, tuple[int, int]]:
-    with Image.open(io.BytesIO(data)) as image:
-        size = image.size
-    return plan(size[0], size[1], 1, PREPROCESS, 0), size
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What every candidate needs to know about the image, worked out once before timing (so the
+    candidates pay only for decoding and resampling; ``service`` still pays for its own header checks)."""
+
+    layout: Plan
+    width: int
+    height: int
+
+    @classmethod
+    def of(cls, data: bytes) -> Geometry:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+        return cls(plan(width, height, 1, PREPROCESS, 0), width, height)
 
 
 def _box_resize(image: Image.Image, layout: Plan, scale: float) -> np.ndarray:
@@ -99,81 +111,81 @@ def _centre_crop(pixels: np.ndarray) -> np.ndarray:
     return pixels[top : top + 224, left : left + 224]
 
 
-def torchvision_style(data: bytes) -> np.ndarray:
+def torchvision_style(data: bytes, _geometry: Geometry) -> np.ndarray:
     """The reference: full decode, whole image resized, then cropped (what torchvision does on PIL)."""
     return images.reference(data)
 
 
-def pillow_full(data: bytes) -> np.ndarray:
-    layout, _ = _plan_of(data)
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    return _box_resize(image, layout, 1.0)
+def pillow_full(data: bytes, geometry: Geometry) -> np.ndarray:
+    image = Image.open(io.BytesIO(data))
+    image = image if image.mode == "RGB" else image.convert("RGB")
+    return _box_resize(image, geometry.layout, 1.0)
 
 
-def service_path(data: bytes) -> np.ndarray:
+def service_path(data: bytes, _geometry: Geometry) -> np.ndarray:
     return decode_image(data, PREPROCESS)
 
 
-def _power_of_two_decode(data: bytes, decode: Callable[[bytes, int, tuple[int, int]], np.ndarray]) -> np.ndarray:
-    layout, (width, height) = _plan_of(data)
-    scale = layout.draft_scale(GAP)
-    pixels = decode(data, scale, (width, height))
-    expected = (math.ceil(height / scale), math.ceil(width / scale))
+def _power_of_two_decode(data: bytes, geometry: Geometry, decode: Callable[..., np.ndarray]) -> np.ndarray:
+    scale = geometry.layout.draft_scale(GAP)
+    expected = (math.ceil(geometry.height / scale), math.ceil(geometry.width / scale))
+    pixels = decode(data, scale, expected)
     if pixels.shape[:2] != expected:
         raise RuntimeError(f"decoder scaled to {pixels.shape[:2]}, expected {expected}")
-    return _box_resize(Image.fromarray(pixels), layout, float(scale))
+    return _box_resize(Image.fromarray(pixels), geometry.layout, float(scale))
 
 
-def _simplejpeg_decode(data: bytes, scale: int, size: tuple[int, int]) -> np.ndarray:
-    width, height = size
-    return simplejpeg.decode_jpeg(
-        data, colorspace="RGB", min_width=math.ceil(width / scale), min_height=math.ceil(height / scale)
-    )
+def _simplejpeg_decode(data: bytes, _scale: int, expected: tuple[int, int]) -> np.ndarray:
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=expected[0], min_width=expected[1])
 
 
-def _turbo_decode(data: bytes, scale: int, _size: tuple[int, int]) -> np.ndarray:
+def _turbo_decode(data: bytes, scale: int, _expected: tuple[int, int]) -> np.ndarray:
     from turbojpeg import TJPF_RGB
 
     return TURBO.decode(data, pixel_format=TJPF_RGB, scaling_factor=(1, scale))
 
 
-def simplejpeg_pillow(data: bytes) -> np.ndarray:
-    return _power_of_two_decode(data, _simplejpeg_decode)
+def simplejpeg_pillow(data: bytes, geometry: Geometry) -> np.ndarray:
+    return _power_of_two_decode(data, geometry, _simplejpeg_decode)
 
 
-def pyturbojpeg_pillow(data: bytes) -> np.ndarray:
-    return _power_of_two_decode(data, _turbo_decode)
+def pyturbojpeg_pillow(data: bytes, geometry: Geometry) -> np.ndarray:
+    return _power_of_two_decode(data, geometry, _turbo_decode)
 
 
-def _opencv(data: bytes, interpolation: int, is_jpeg: bool) -> np.ndarray:
-    layout, (width, height) = _plan_of(data)
-    scale = layout.draft_scale(GAP) if is_jpeg else 1
+def _opencv(data: bytes, geometry: Geometry, interpolation: int, is_jpeg: bool) -> np.ndarray:
+    scale = geometry.layout.draft_scale(GAP) if is_jpeg else 1
     flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
              8: cv2.IMREAD_REDUCED_COLOR_8}[scale]  # fmt: skip
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
-    resized = cv2.resize(bgr, _resized_size(width, height), interpolation=interpolation)
+    resized = cv2.resize(bgr, _resized_size(geometry.width, geometry.height), interpolation=interpolation)
     return np.ascontiguousarray(_centre_crop(resized)[..., ::-1])
 
 
-def candidates(is_jpeg: bool) -> dict[str, Candidate]:
-    """The end-to-end candidates that exist here for this format."""
-    found: dict[str, Candidate] = {"service": service_path, "pillow-full": pillow_full,
-                                   "torchvision-style": torchvision_style}  # fmt: skip
+def candidates(data: bytes, is_jpeg: bool) -> dict[str, Candidate]:
+    """The end-to-end candidates that exist here for this format, bound to the image's geometry."""
+    found: dict[str, Callable[[bytes, Geometry], Any]] = {"service": service_path, "pillow-full": pillow_full,
+                                                          "torchvision-style": torchvision_style}  # fmt: skip
     if is_jpeg and simplejpeg is not None:
         found["simplejpeg+pillow"] = simplejpeg_pillow
     if is_jpeg and TURBO is not None:
         found["pyturbojpeg+pillow"] = pyturbojpeg_pillow
     if cv2 is not None:
-        found["opencv-area"] = lambda d: _opencv(d, cv2.INTER_AREA, is_jpeg)
-        found["opencv-linear"] = lambda d: _opencv(d, cv2.INTER_LINEAR, is_jpeg)
-    return found
+        found["opencv-area"] = functools.partial(_opencv, interpolation=cv2.INTER_AREA, is_jpeg=is_jpeg)
+        found["opencv-linear"] = functools.partial(_opencv, interpolation=cv2.INTER_LINEAR, is_jpeg=is_jpeg)
+    geometry = Geometry.of(data)
+    return {name: functools.partial(_bound, function, geometry) for name, function in found.items()}
+
+
+def _bound(function: Callable[[bytes, Geometry], Any], geometry: Geometry, data: bytes) -> Any:
+    return function(data, geometry)
 
 
 def components(data: bytes, is_jpeg: bool) -> dict[str, Candidate]:
     """Decode alone (full size) and resize alone (from already decoded pixels)."""
     pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     decoded = Image.fromarray(pixels)
-    layout, _ = _plan_of(data)
+    layout = Geometry.of(data).layout
     size = _resized_size(*decoded.size)
     found: dict[str, Candidate] = {
         "decode:pillow": lambda d: Image.open(io.BytesIO(d)).load(),
@@ -236,8 +248,8 @@ def run(rounds: int, runs: int, quick: bool) -> tuple[list[dict[str, Any]], list
             width, height = image.size
         described.append({"image": label, "bytes": len(data), "bits_per_pixel": 8 * len(data) / (width * height)})
         is_jpeg = fmt == "JPEG"
-        reference = torchvision_style(data)
-        ends = candidates(is_jpeg)
+        reference = images.reference(data)
+        ends = candidates(data, is_jpeg)
         functions = {**ends, **components(data, is_jpeg)}
         samples = time_alternating(functions, data, rounds, runs)
         for name, times in samples.items():
