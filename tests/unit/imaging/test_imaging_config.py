@@ -141,3 +141,17 @@ def test_label_count_is_checked_against_the_class_count():
 )
 def test_class_count_of_an_output_shape(shape, count):
     assert class_count(shape) == count
+
+
+def test_the_imaging_package_needs_no_protocol_or_runtime_library():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, service.imaging; "
+        "print([m for m in ('fastapi', 'starlette', 'grpc', 'onnxruntime', 'onnx') if m in sys.modules])"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    assert out.strip() == "[]"
