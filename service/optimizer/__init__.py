@@ -9,6 +9,7 @@ This package imports nothing from ``service.api`` or ``service.runtime``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -17,9 +18,11 @@ import onnx_graphsurgeon as gs
 
 from service.errors import InvalidModelError, OptimizationError
 from service.optimizer.opset import default_opset, upgrade_opset
-from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_pipeline
+from service.optimizer.passes.fold_input_normalization import InputNormalization, fold_input_normalization
+from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
 from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, check_tolerance, verify_equivalent
+from service.optimizer.verify_normalization import verify_input_normalization
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
 OPTIMIZER_VERSION = "3"  # 2: sink_conv_bias; 3: fuse_bn_into_{concat_convs,next_conv}, sink_conv_bias spares padded 1x1
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_PIPELINE",
     "OPTIMIZER_VERSION",
+    "InputNormalization",
     "OptimizationReport",
     "OptimizerConfig",
     "PassSpec",
@@ -55,6 +59,10 @@ class OptimizerConfig:
     than the default, and a looser one is logged as a warning."""
     max_iterations: int = 8
     seed: int = 0
+    input_normalization: InputNormalization | None = None
+    """Make the served graph take raw pixels (uint8, NCHW or NHWC) and normalise them itself, folded into
+    the first convolution where possible (``passes/fold_input_normalization``); run once, after the
+    pipeline, and verified against the original fed the same normalisation computed in numpy."""
 
     def __post_init__(self) -> None:
         check_tolerance(self.rtol, self.atol)
@@ -78,6 +86,9 @@ def optimize(
     try:
         graph = gs.import_onnx(working)
         report.iterations, report.passes = run_pipeline(graph, config)
+        if config.input_normalization is not None:
+            fold = functools.partial(fold_input_normalization, normalization=config.input_normalization)
+            report.passes.append(run_once(graph, fold_input_normalization.__name__, fold))
         optimized = _export(graph, template=working)
     except (InvalidModelError, OptimizationError):
         raise
@@ -92,15 +103,12 @@ def optimize(
             log.warning(
                 "verifying with a looser tolerance than the default: rtol %g, atol %g", config.rtol, config.atol
             )
-        result = verify_equivalent(
-            model,
-            optimized,
-            batch_sizes=config.verify_batch_sizes,
-            trials=config.verify_trials,
-            rtol=config.rtol,
-            atol=config.atol,
-            seed=config.seed,
-        )
+        tolerances = {"batch_sizes": config.verify_batch_sizes, "trials": config.verify_trials,
+                      "rtol": config.rtol, "atol": config.atol, "seed": config.seed}  # fmt: skip
+        if config.input_normalization is not None:
+            result = verify_input_normalization(model, optimized, config.input_normalization, **tolerances)
+        else:
+            result = verify_equivalent(model, optimized, **tolerances)
         report.verified = True
         report.max_abs_diff = result.max_abs_diff
         report.max_rel_diff = result.max_rel_diff

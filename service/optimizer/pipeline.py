@@ -85,6 +85,20 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
 )
 
 
+def run_once(graph: gs.Graph, name: str, run: Pass) -> PassStat:
+    """Run one rewrite a single time, with the pipeline's cleanup and toposort after it.
+
+    For a rewrite that is not a fixed-point pass (it changes the graph's signature, so running it again
+    would apply it twice): the input normalisation fold."""
+    from service.optimizer.report import PassStat
+
+    before = len(graph.nodes)
+    rewrites = run(graph)
+    if rewrites:
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    return PassStat(name, rewrites, before, len(graph.nodes))
+
+
 def run_pipeline(
     graph: gs.Graph,
     config: OptimizerConfig,
