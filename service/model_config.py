@@ -40,9 +40,10 @@ class ModelConfig(BaseModel):
         return cls.model_validate(data or {})
 
     def effective(self, settings: ServiceSettings) -> EffectiveConfig:
-        """Merge with the service defaults."""
+        """Merge with the service defaults; a model may lower the service's batch size, never raise it (so
+        SERVICE_MAX_BATCH_SIZE=1 turns batching off for every model)."""
         return EffectiveConfig(
-            max_batch_size=_pick(self.max_batch_size, settings.max_batch_size),
+            max_batch_size=min(_pick(self.max_batch_size, settings.max_batch_size), settings.max_batch_size),
             max_delay_s=_pick(self.max_delay_ms, settings.max_delay_ms) / 1000.0,
             queue_size=_pick(self.queue_size, settings.queue_size),
             timeout_s=_pick(self.timeout_s, settings.request_timeout_s),

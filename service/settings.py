@@ -147,7 +147,7 @@ class ServiceSettings(BaseSettings):
         try:
             ipaddress.ip_address(value)
         except ValueError as exc:
-            raise ValueError(f"host must be an IP address or 'localhost', got {value!r}") from exc
+            raise ValueError("must be an IP address or 'localhost'") from exc
         return value
 
     @field_validator("admin_token")

@@ -21,14 +21,9 @@ from service.errors import OptimizationError, VerificationError
 from service.optimizer.passes.fold_input_normalization import InputNormalization
 
 # Package-private helpers of the generic verifier: one comparison rule for every check of the optimizer.
-from service.optimizer.verify import (
-    VerificationResult,
-    _Comparison,
-    _effective_batch_sizes,
-    _random_feeds,
-    _session,
-    _short,
-)
+from service.optimizer.verify import VerificationResult, _Comparison, _short, check_tolerance
+from service.optimizer.verify_inputs import effective_batch_sizes, kind_of_trial, random_feeds
+from service.optimizer.verify_targets import plan
 
 _PIXEL_HIGH = 256
 
@@ -48,25 +43,27 @@ def verify_input_normalization(
 
     Raises VerificationError on a mismatch and OptimizationError when a model cannot run.
     """
-    comparison = _Comparison(_session(reference, "original"), _session(candidate, "optimized"), rtol, atol)
+    check_tolerance(rtol, atol)
+    comparison = _Comparison(plan(reference, candidate), rtol, atol)
     name = normalization.input_name
     if not any(spec.name == name for spec in comparison.specs):
         raise OptimizationError(f"cannot verify: the original model has no input '{name}'")
     rng = np.random.default_rng(seed)
-    for batch in _effective_batch_sizes(comparison.specs, batch_sizes):
-        for _ in range(max(1, trials)):
-            feeds = _random_feeds(comparison.specs, batch, rng)
+    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
+        for trial in range(max(1, trials)):
+            feeds = random_feeds(comparison.specs, batch, rng, kind_of_trial(trial))
             float_input = feeds[name]
             pixels = _pixels(float_input.shape, normalization, rng)
             _check_wire_input(comparison.candidate, name, pixels)
             feeds[name] = _normalise(pixels, normalization, float_input.dtype)
-            candidate_feeds = {**feeds, name: pixels}
-            expected = _run(comparison.reference, comparison.output_names, feeds, "original", batch)
-            got = _run(comparison.candidate, comparison.output_names, candidate_feeds, "optimized", batch)
-            for output, exp, act in zip(comparison.output_names, expected, got, strict=True):
-                comparison._compare(f"output '{output}' at batch {batch}", np.asarray(exp), np.asarray(act))
+            candidate_feeds = {k: v for k, v in feeds.items() if k in comparison.candidate_inputs} | {name: pixels}
+            expected = _run(comparison.reference, [t.reference for t in comparison.targets], feeds, "original", batch)
+            got = _run(comparison.candidate, [t.candidate for t in comparison.targets], candidate_feeds, "optimized",
+                       batch)
+            comparison._compare_run(f"at batch {batch} (random pixels)", expected, got)
         comparison.compared.append(batch)
-    return VerificationResult(comparison.max_abs, comparison.max_rel, tuple(comparison.compared))
+    return VerificationResult(comparison.max_abs, comparison.max_rel, tuple(comparison.compared), rtol=rtol,
+                              atol=atol, input_kinds=tuple(kind_of_trial(t) for t in range(max(1, trials))))
 
 
 def _pixels(nchw_shape: tuple[int, ...], normalization: InputNormalization, rng: np.random.Generator) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import printable
+from service.errors import UnprocessableError, printable
 from service.model_config import ModelConfig
 from service.registry.store import ORIGINAL
 from service.runtime.contract import Signature
@@ -71,16 +71,17 @@ class VersionMetadata(_Record):
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> VersionMetadata:
-        """Any schema this release reads, migrated to the current one; ValueError naming the problem."""
+        """Any schema this release reads, migrated to the current one; UnprocessableError naming the problem
+        (the version's FAILED state shows it)."""
         version = data.get("schema_version", 1)
         if not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
-            raise ValueError(f"metadata schema {printable(version)} is newer than this release reads")
+            raise UnprocessableError(f"metadata schema {printable(version)} is newer than this release reads")
         try:
             return cls.model_validate({**data, "schema_version": SCHEMA_VERSION})
         except ValidationError as exc:
             first = exc.errors(include_url=False, include_input=False)[0]
             where = ".".join(str(p) for p in first.get("loc", ())) or "metadata"
-            raise ValueError(f"metadata field {where}: {first.get('msg', 'invalid')}") from None
+            raise UnprocessableError(f"metadata field {where}: {first.get('msg', 'invalid')}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"config"}) | {"config": self.config.to_dict()}

@@ -1,4 +1,5 @@
-"""The model registry end to end on the CPU: real optimizer child processes, real ONNX Runtime engines.
+"""The model registry (``ModelManager`` and its table) end to end on the CPU: real optimizer child processes,
+real ONNX Runtime engines.
 
 Expected answers always come from a direct ONNX Runtime run of the ORIGINAL model, never from the code
 under test.
@@ -10,7 +11,9 @@ import asyncio
 import json
 import shutil
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import builders
 import numpy as np
@@ -32,9 +35,12 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import ModelConfig
-from service.registry.manager import ModelRegistry, ModelState
+from service.registry.manager import ModelManager
+from service.registry.sync import StoreFollower
+from service.registry.version import ModelState, ModelVersion
+from service.runtime.contract import Engine, LoadedEngine, LoadRequest
 from service.runtime.loading import load_in_process
-from service.settings import BatchingSettings, EngineSettings, OptimizerSettings, ServiceSettings
+from service.settings import ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,9 +52,11 @@ def settings_for(root: Path, **overrides) -> ServiceSettings:
     options = {
         "model_dir": root,
         "demo_model": False,
-        "engine": EngineSettings(device="cpu", buckets=(1, 2, 4, 8)),
-        "batching": BatchingSettings(max_delay_ms=5.0),
-        "optimizer": OptimizerSettings(memory_limit_mb=2048, timeout_s=120),
+        "device": "cpu",
+        "buckets": (1, 2, 4, 8),
+        "max_delay_ms": 5.0,
+        "optimizer_memory_mb": 2048,
+        "optimizer_timeout_s": 120,
     }
     options.update(overrides)
     return ServiceSettings(**options)
@@ -97,13 +105,26 @@ def reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.n
     return session.run(None, feeds)
 
 
-async def upload(registry: ModelRegistry, name: str, model: onnx.ModelProto | bytes, **config):
-    staged = registry.new_staging_file()
+async def upload(manager: ModelManager, name: str, model: onnx.ModelProto | bytes, **config) -> ModelVersion:
+    staged = manager.new_staging_file()
     staged.write_bytes(model if isinstance(model, bytes) else model.SerializeToString())
     try:
-        return await registry.upload(name, staged, ModelConfig(**config))
+        return await manager.upload(name, staged, ModelConfig(**config))
     finally:
         assert not staged.exists(), "upload() must consume or delete the staged file"
+
+
+async def infer(mv: ModelVersion, inputs: dict[str, np.ndarray], outputs: Sequence[str] | None = None):
+    """What a protocol edge does: check against the version's signature, then infer."""
+    return await mv.infer(mv.signature.request(inputs, outputs))
+
+
+def report(mv: ModelVersion) -> dict[str, Any]:
+    """The optimization report of the variant the version serves."""
+    assert mv.metadata is not None
+    result = mv.metadata.report()
+    assert result is not None
+    return result
 
 
 def versions_on_disk(root: Path, name: str) -> list[str]:
@@ -129,17 +150,17 @@ def test_upload_serve_restart_reuses_the_cache(tmp_path):
     settings = settings_for(tmp_path)
 
     async def first_life():
-        registry = ModelRegistry(settings)
-        await registry.start()
-        mv = await upload(registry, "tiny", model)
+        manager = ModelManager(settings)
+        await manager.start()
+        mv = await upload(manager, "tiny", model)
         assert (mv.name, mv.version, mv.state) == ("tiny", 1, ModelState.READY)
-        assert set(mv.metadata["optimization"]["variants"]) == {"fused", "plain"}
-        assert mv.report is not None and mv.report["verified"]
+        assert set(mv.metadata.optimization.variants) == {"fused", "plain"}
+        assert report(mv)["verified"]
         batches = [images(1 + i % 3, seed=i) for i in range(24)]
-        results = await asyncio.gather(*(mv.infer({"x": x}) for x in batches))
-        probe = await registry.get("tiny").infer({"x": images(2, seed=99)})
-        await registry.stop(5)
-        return batches, results, probe.outputs["y"], registry.optimizations
+        results = await asyncio.gather(*(infer(mv, {"x": x}) for x in batches))
+        probe = await infer(manager.table.get("tiny"), {"x": images(2, seed=99)})
+        await manager.stop(5)
+        return batches, results, probe.outputs["y"], manager.optimizations
 
     batches, results, probe, optimizations = asyncio.run(first_life())
     assert optimizations == 1
@@ -148,14 +169,15 @@ def test_upload_serve_restart_reuses_the_cache(tmp_path):
     assert max(r.batch_size for r in results) > 3, "concurrent requests were never batched"
     stamp = (tmp_path / "tiny" / "1" / "optimized.onnx").stat().st_mtime_ns
     meta_before = (tmp_path / "tiny" / "1" / "metadata.json").read_bytes()
+    assert json.loads(meta_before)["schema_version"] == 2
 
     async def second_life():
-        registry = ModelRegistry(settings)
-        await registry.start()
-        assert registry.ready and registry.names() == ["tiny"]
-        again = await registry.get("tiny").infer({"x": images(2, seed=99)})
-        await registry.stop(5)
-        return again.outputs["y"], registry.optimizations
+        manager = ModelManager(settings)
+        await manager.start()
+        assert manager.ready and manager.table.names() == ["tiny"]
+        again = await infer(manager.table.get("tiny"), {"x": images(2, seed=99)})
+        await manager.stop(5)
+        return again.outputs["y"], manager.optimizations
 
     again, optimizations = asyncio.run(second_life())
     assert optimizations == 0, "the cached optimized model must be reused"
@@ -170,41 +192,42 @@ def test_stale_cache_key_corrupt_artifact_and_changed_settings_reoptimize(tmp_pa
     expected = reference(model, {"x": x})[0]
 
     async def life(settings, tamper=None):
-        registry = ModelRegistry(settings)
+        manager = ModelManager(settings)
         if tamper:
-            tamper(registry)
-        await registry.start()
-        if not registry.names():
-            await upload(registry, "m", model)
-        out = await registry.get("m").infer({"x": x})
-        meta = registry.get("m").metadata
-        await registry.stop(5)
-        return registry.optimizations, meta, out.outputs["y"]
+            tamper(manager)
+        await manager.start()
+        if not manager.table.names():
+            await upload(manager, "m", model)
+        out = await infer(manager.table.get("m"), {"x": x})
+        meta = manager.table.get("m").metadata
+        await manager.stop(5)
+        return manager.optimizations, meta, out.outputs["y"]
 
     settings = settings_for(tmp_path)
     optimizations, meta, out = asyncio.run(life(settings))
-    key = meta["optimization"]["cache_key"]
+    key = meta.optimization.cache_key
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
-    def stale_key(registry):
-        stale = dict(meta["optimization"], cache_key="0" * 64)
-        registry.store.write_metadata("m", 1, dict(meta, optimization=stale))
+    def stale_key(manager):
+        data = meta.to_dict()
+        data["optimization"]["cache_key"] = "0" * 64
+        manager.store.write_metadata("m", 1, data)
 
     optimizations, meta, out = asyncio.run(life(settings, stale_key))
-    assert optimizations == 1 and meta["optimization"]["cache_key"] == key
+    assert optimizations == 1 and meta.optimization.cache_key == key
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
-    def corrupt_file(registry):
-        registry.store.write_artifact("m", 1, "optimized.onnx", b"\x08\x07garbage")
+    def corrupt_file(manager):
+        manager.store.write_artifact("m", 1, "optimized.onnx", b"\x08\x07garbage")
 
     optimizations, meta, out = asyncio.run(life(settings, corrupt_file))
-    assert optimizations == 1 and meta["optimization"]["cache_key"] == key
+    assert optimizations == 1 and meta.optimization.cache_key == key
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
-    no_fusion = settings_for(tmp_path, optimizer=OptimizerSettings(fused_conv=False, memory_limit_mb=2048))
+    no_fusion = settings_for(tmp_path, fused_conv=False)
     optimizations, meta, out = asyncio.run(life(no_fusion))
-    assert optimizations == 1 and meta["optimization"]["cache_key"] != key
-    assert set(meta["optimization"]["variants"]) == {"plain"}
+    assert optimizations == 1 and meta.optimization.cache_key != key
+    assert set(meta.optimization.variants) == {"plain"}
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -212,30 +235,30 @@ def test_delete_lets_in_flight_requests_finish(tmp_path):
     model = conv_relu_model(seed=1)
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
-        await upload(registry, "m", model)
-        v2 = await upload(registry, "m", model, max_delay_ms=1000.0, max_batch_size=64)
-        assert registry.get("m").version == 2
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
+        await upload(manager, "m", model)
+        v2 = await upload(manager, "m", model, max_delay_ms=1000.0, max_batch_size=64)
+        assert manager.table.get("m").version == 2
         batches = [images(1, seed=i) for i in range(6)]
-        in_flight = [asyncio.ensure_future(v2.infer({"x": x})) for x in batches]
+        in_flight = [asyncio.ensure_future(infer(v2, {"x": x})) for x in batches]
         await asyncio.sleep(0.05)  # queued, waiting for the 1 s batch window
         assert v2.queue_depth == 6
-        await registry.delete("m", 2)
+        await manager.delete("m", 2)
         results = await asyncio.gather(*in_flight, return_exceptions=True)
-        after_delete = registry.get("m").version
+        after_delete = manager.table.get("m").version
         with pytest.raises(NotFoundError):
-            registry.get("m", 2)
+            manager.table.get("m", 2)
         with pytest.raises(ModelNotReadyError):
-            await v2.infer({"x": batches[0]})
+            await infer(v2, {"x": batches[0]})
         on_disk = versions_on_disk(tmp_path, "m")
-        await registry.delete("m", 1)
-        names = registry.names()
+        await manager.delete("m", 1)
+        names = manager.table.names()
         with pytest.raises(NotFoundError):
-            registry.get("m")
+            manager.table.get("m")
         with pytest.raises(NotFoundError):
-            await registry.delete("m", 1)
-        await registry.stop(5)
+            await manager.delete("m", 1)
+        await manager.stop(5)
         return batches, results, after_delete, on_disk, names
 
     batches, results, after_delete, on_disk, names = asyncio.run(main())
@@ -250,14 +273,14 @@ def test_concurrent_uploads_to_one_name_get_distinct_versions(tmp_path):
     models = [conv_relu_model(seed=s) for s in range(3)]
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
-        uploaded = await asyncio.gather(*(upload(registry, "same", m) for m in models))
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
+        uploaded = await asyncio.gather(*(upload(manager, "same", m) for m in models))
         x = images(2, seed=7)
         outs = {}
         for mv in uploaded:
-            outs[mv.version] = (await registry.get("same", mv.version).infer({"x": x})).outputs["y"]
-        await registry.stop(5)
+            outs[mv.version] = (await infer(manager.table.get("same", mv.version), {"x": x})).outputs["y"]
+        await manager.stop(5)
         return uploaded, x, outs
 
     uploaded, x, outs = asyncio.run(main())
@@ -281,9 +304,9 @@ def test_refused_uploads_leave_nothing_and_the_registry_keeps_serving(tmp_path):
     )
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path, optimizer=OptimizerSettings(memory_limit_mb=1024)))
-        await registry.start()
-        await upload(registry, "good", good)
+        manager = ModelManager(settings_for(tmp_path, optimizer_memory_mb=1024))
+        await manager.start()
+        await upload(manager, "good", good)
         errors = {}
         for label, name, payload, expected in [
             ("bomb", "bomb", memory_bomb_model(), OptimizationError),
@@ -293,12 +316,12 @@ def test_refused_uploads_leave_nothing_and_the_registry_keeps_serving(tmp_path):
             ("bad name", "../escape", good, BadRequestError),
         ]:
             with pytest.raises(expected) as info:
-                await upload(registry, name, payload)
+                await upload(manager, name, payload)
             errors[label] = info.value
         x = images(2, seed=1)
-        still = await registry.get("good").infer({"x": x})
-        names = registry.names()
-        await registry.stop(5)
+        still = await infer(manager.table.get("good"), {"x": x})
+        names = manager.table.names()
+        await manager.stop(5)
         return errors, x, still, names
 
     errors, x, still, names = asyncio.run(main())
@@ -313,12 +336,12 @@ def test_refused_uploads_leave_nothing_and_the_registry_keeps_serving(tmp_path):
 
 def test_optimizer_timeout_is_refused_cleanly(tmp_path):
     async def main():
-        settings = settings_for(tmp_path, optimizer=OptimizerSettings(timeout_s=0.05, memory_limit_mb=1024))
-        registry = ModelRegistry(settings)
-        await registry.start()
+        settings = settings_for(tmp_path, optimizer_timeout_s=0.05, optimizer_memory_mb=1024)
+        manager = ModelManager(settings)
+        await manager.start()
         with pytest.raises(OptimizationError) as info:
-            await upload(registry, "slow", conv_relu_model())
-        await registry.stop(1)
+            await upload(manager, "slow", conv_relu_model())
+        await manager.stop(1)
         return info.value
 
     error = asyncio.run(main())
@@ -326,31 +349,56 @@ def test_optimizer_timeout_is_refused_cleanly(tmp_path):
     assert versions_on_disk(tmp_path, "slow") == [] and leftovers(tmp_path) == []
 
 
+class HeldEngine:
+    """A real engine whose calls wait for ``release`` (as a CUDA engine's first call once hung on the GPU
+    host); everything else is the wrapped engine's."""
+
+    def __init__(self, inner: Engine, release: threading.Event) -> None:
+        self._inner = inner
+        self._release = release
+        self.signature = inner.signature
+        self.max_batch_size = inner.max_batch_size
+        self.max_concurrent_calls = inner.max_concurrent_calls
+        self.provider = inner.provider
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        self._release.wait(10)
+        return self._inner.run_parts(parts)
+
+    def last_engine_seconds(self) -> float | None:
+        return self._inner.last_engine_seconds()
+
+    def prepare_thread(self) -> None:
+        self._inner.prepare_thread()
+
+    def page_locker(self):
+        return self._inner.page_locker()
+
+    def describe(self) -> dict[str, Any]:
+        return self._inner.describe()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 def test_a_warm_up_that_outlives_the_timeout_refuses_the_upload_naming_the_warm_up(tmp_path):
-    """An engine whose first call hangs (as a CUDA engine's once did on the GPU host): the upload fails with an
-    engine error that says the warm-up did not finish, not a client timeout, and the version is removed."""
+    """An engine whose first call hangs: the upload fails with an engine error that says the warm-up did not
+    finish, not a client timeout, and the version is removed."""
     release = threading.Event()
 
-    def stuck_loader(*args, **kwargs):
-        engine, record = load_in_process(*args, **kwargs)
-        run = engine.run
-
-        def run_after_release(feeds):
-            release.wait(10)
-            return run(feeds)
-
-        engine.run = run_after_release
-        return engine, record
+    def stuck_loader(request: LoadRequest) -> LoadedEngine:
+        loaded = load_in_process(request)
+        return LoadedEngine(HeldEngine(loaded.engine, release), loaded.record)
 
     async def main():
-        settings = settings_for(tmp_path, batching=BatchingSettings(max_delay_ms=0, timeout_s=0.3))
-        registry = ModelRegistry(settings, engine_loader=stuck_loader)
-        await registry.start()
+        settings = settings_for(tmp_path, max_delay_ms=0, request_timeout_s=0.3)
+        manager = ModelManager(settings, engine_loader=stuck_loader)
+        await manager.start()
         with pytest.raises(EngineError) as info:
-            await upload(registry, "stuck", conv_relu_model())
+            await upload(manager, "stuck", conv_relu_model())
         release.set()
-        names = registry.names()
-        await registry.stop(2)
+        names = manager.table.names()
+        await manager.stop(2)
         return info.value, names
 
     error, names = asyncio.run(main())
@@ -366,11 +414,11 @@ def test_a_cancelled_upload_kills_its_optimizer_and_leaves_nothing(tmp_path):
         return [p for p in psutil.Process().children() if p.pid not in before]
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
         # children started by earlier tests (e.g. multiprocessing's resource tracker) are not ours
         before = {p.pid for p in psutil.Process().children()}
-        task = asyncio.ensure_future(upload(registry, "gone", zoo.build("mobilenet_v3_small")))
+        task = asyncio.ensure_future(upload(manager, "gone", zoo.build("mobilenet_v3_small")))
         for _ in range(200):  # until the optimizer child runs
             await asyncio.sleep(0.01)
             if new_children(before):
@@ -380,7 +428,7 @@ def test_a_cancelled_upload_kills_its_optimizer_and_leaves_nothing(tmp_path):
         with pytest.raises(asyncio.CancelledError):
             await task
         _, alive = psutil.wait_procs(children, timeout=5)
-        await registry.stop(1)
+        await manager.stop(1)
         return children, alive
 
     children, alive = asyncio.run(main())
@@ -390,12 +438,12 @@ def test_a_cancelled_upload_kills_its_optimizer_and_leaves_nothing(tmp_path):
 
 def test_memory_bomb_is_refused_even_with_verification_off(tmp_path):
     async def main():
-        settings = settings_for(tmp_path, optimizer=OptimizerSettings(verify=False, memory_limit_mb=1024))
-        registry = ModelRegistry(settings)
-        await registry.start()
+        settings = settings_for(tmp_path, verify=False, optimizer_memory_mb=1024)
+        manager = ModelManager(settings)
+        await manager.start()
         with pytest.raises(OptimizationError) as info:
-            await upload(registry, "bomb", memory_bomb_model())
-        await registry.stop(1)
+            await upload(manager, "bomb", memory_bomb_model())
+        await manager.stop(1)
         return info.value
 
     error = asyncio.run(main())
@@ -427,11 +475,11 @@ def test_a_model_failing_verification_is_refused(tmp_path):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
         with pytest.raises(VerificationError) as info:
-            await upload(registry, "cancel", model)
-        await registry.stop(1)
+            await upload(manager, "cancel", model)
+        await manager.stop(1)
         return info.value
 
     error = asyncio.run(main())
@@ -444,18 +492,18 @@ def test_zoo_mobilenet_v3_small_matches_onnx_runtime(tmp_path):
     name = model.graph.input[0].name
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
-        mv = await upload(registry, "mnv3s", model)
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
+        mv = await upload(manager, "mnv3s", model)
         x = np.random.default_rng(0).standard_normal((3, 3, 224, 224)).astype(np.float32)
-        result = await mv.infer({name: x})
-        await registry.stop(5)
+        result = await infer(mv, {name: x})
+        await manager.stop(5)
         return mv, x, result
 
     mv, x, result = asyncio.run(main())
-    assert mv.report["nodes_after"] < mv.report["nodes_before"]
+    assert report(mv)["nodes_after"] < report(mv)["nodes_before"]
     expected = reference(model, {name: x})
-    for spec, want in zip(mv.outputs, expected, strict=True):
+    for spec, want in zip(mv.signature.outputs, expected, strict=True):
         np.testing.assert_allclose(result.outputs[spec.name], want, rtol=1e-3, atol=1e-4)
 
 
@@ -463,9 +511,9 @@ def test_requests_are_checked_and_routed(tmp_path):
     model = conv_relu_model()
 
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path))
-        await registry.start()
-        mv = await upload(registry, "m", model, queue_size=4)
+        manager = ModelManager(settings_for(tmp_path))
+        await manager.start()
+        mv = await upload(manager, "m", model, queue_size=4)
         bad = {
             "dtype": {"x": images(1, 0).astype(np.float64)},
             "rank": {"x": images(1, 0)[0]},
@@ -478,28 +526,31 @@ def test_requests_are_checked_and_routed(tmp_path):
         messages = {}
         for label, inputs in bad.items():
             with pytest.raises(InvalidInputError) as info:
-                await mv.infer(inputs)
+                await infer(mv, inputs)
             messages[label] = info.value.message
-        with pytest.raises(InvalidInputError):
-            await mv.infer({"x": images(1, 0)}, outputs=["y", "nope"])
-        with pytest.raises(InvalidInputError):
-            mv.check_shape("x", [10**6, 3, 10**6, 10**6])
-        only = await mv.infer({"x": images(1, 0)}, outputs=["y"] * 1000)
-        routing = [registry.only_model().name]
+        with pytest.raises(InvalidInputError) as info:
+            await infer(mv, {"x": images(1, 0)}, outputs=["y", "nope"])
+        messages["unknown output"] = info.value.message
+        for label, declared in (("declared shape", [1, 3, 10**6, 10**6]), ("declared batch", [10**6, 3, 8, 8])):
+            with pytest.raises(InvalidInputError) as info:  # declared shapes, checked before any allocation
+                mv.signature.check_tensor("x", np.dtype(np.float32), declared)
+            messages[label] = info.value.message
+        only = await infer(mv, {"x": images(1, 0)}, outputs=["y"] * 1000)
+        routing = [manager.table.only_model().name]
         with pytest.raises(NotFoundError):
-            registry.get("nope")
+            manager.table.get("nope")
         with pytest.raises(NotFoundError):
-            registry.get("m", 9)
-        await upload(registry, "second", model)
+            manager.table.get("m", 9)
+        await upload(manager, "second", model)
         with pytest.raises(BadRequestError) as info:
-            registry.only_model()
+            manager.table.only_model()
         routing.append(info.value.message)
-        await registry.stop(5)
+        await manager.stop(5)
         with pytest.raises(ShuttingDownError):
-            await upload(registry, "late", model)
+            await upload(manager, "late", model)
         with pytest.raises(ModelNotReadyError):
-            await mv.infer({"x": images(1, 0)})
-        return messages, only, routing, registry.ready
+            await infer(mv, {"x": images(1, 0)})
+        return messages, only, routing, manager.ready
 
     messages, only, routing, ready = asyncio.run(main())
     assert "FP32" in messages["dtype"] and "FP64" in messages["dtype"]
@@ -507,8 +558,11 @@ def test_requests_are_checked_and_routed(tmp_path):
     assert "[1, 3, 8, 9]" in messages["shape"]
     assert "at least 1" in messages["batch 0"]
     assert "limit of 4" in messages["over the limit"]
-    assert "missing input 'x'" in messages["missing"] or "no inputs" in messages["missing"]
+    assert "no inputs" in messages["missing"]
     assert "'z'" in messages["extra"]
+    assert "'nope'" in messages["unknown output"] and "'y'" in messages["unknown output"]
+    assert "expected shape [-1, 3, 8, 8]" in messages["declared shape"]
+    assert "exceeds this model's limit of 4" in messages["declared batch"]
     assert list(only.outputs) == ["y"]
     assert routing[0] == "m" and "m, second" in routing[1]
     assert not ready
@@ -519,11 +573,11 @@ def test_a_broken_stored_version_fails_alone(tmp_path):
     settings = settings_for(tmp_path)
 
     async def setup():
-        registry = ModelRegistry(settings)
-        await registry.start()
-        await upload(registry, "m", model)
-        await upload(registry, "m", model)
-        await registry.stop(5)
+        manager = ModelManager(settings)
+        await manager.start()
+        await upload(manager, "m", model)
+        await upload(manager, "m", model)
+        await manager.stop(5)
 
     asyncio.run(setup())
     broken = tmp_path / "m" / "2"
@@ -531,48 +585,52 @@ def test_a_broken_stored_version_fails_alone(tmp_path):
     (broken / "optimized.onnx").write_bytes(b"tampered")
 
     async def restart():
-        registry = ModelRegistry(settings)
-        await registry.start()
-        states = {mv.version: (mv.state, mv.error) for mv in registry.versions("m")}
-        served = registry.get("m").version
-        with pytest.raises(ModelNotReadyError):
-            registry.get("m", 2)
-        await registry.stop(5)
-        return states, served
+        manager = ModelManager(settings)
+        await manager.start()
+        states = {mv.version: (mv.state, mv.error) for mv in manager.table.versions("m")}
+        served = manager.table.get("m").version
+        with pytest.raises(ModelNotReadyError) as info:
+            manager.table.get("m", 2)
+        described = manager.table.find("m", 2).describe()
+        await manager.stop(5)
+        return states, served, info.value.message, described
 
-    states, served = asyncio.run(restart())
+    states, served, refusal, described = asyncio.run(restart())
     assert states[1] == (ModelState.READY, None)
     assert states[2][0] is ModelState.FAILED and "checksum" in states[2][1]
+    assert "failed" in refusal and "checksum" in refusal
+    assert described["state"] == "FAILED" and described["error"] == states[2][1]
     assert served == 1
 
 
 def test_a_fresh_store_gets_the_demo_model(tmp_path):
     async def main():
-        registry = ModelRegistry(settings_for(tmp_path, demo_model=True))
-        await registry.start()
-        mv = registry.only_model()
-        spec = mv.inputs[0]
+        manager = ModelManager(settings_for(tmp_path, demo_model=True))
+        await manager.start()
+        mv = manager.table.only_model()
+        spec = mv.signature.inputs[0]
         x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-        result = await mv.infer({spec.name: x})
-        await registry.stop(5)
+        result = await infer(mv, {spec.name: x})
+        await manager.stop(5)
         return mv, spec, x, result
 
     mv, spec, x, result = asyncio.run(main())
     assert mv.name == "mobilenet_v3_large" and spec.shape == (None, 3, 224, 224)
     expected = reference(zoo.build("mobilenet_v3_large"), {spec.name: x})
-    np.testing.assert_allclose(result.outputs[mv.outputs[0].name], expected[0], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(result.outputs[mv.signature.outputs[0].name], expected[0], rtol=1e-3, atol=1e-4)
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def test_a_second_worker_follows_uploads_and_deletes_through_the_store(tmp_path):
-    """Two registries on one store (what two worker processes are): B loads what A uploaded once A has
+    """Two managers on one store (what two worker processes are): B loads what A uploaded once A has
     recorded its engine choice, never a version still without one, and unloads what A deleted."""
     model = conv_relu_model(seed=4)
     settings = settings_for(tmp_path)
 
     async def scenario():
-        a = ModelRegistry(settings)
-        b = ModelRegistry(settings, prepare_store=False, follow_store=False)  # synced by hand below
+        a = ModelManager(settings)
+        b = ModelManager(settings, prepare_store=False, follow_store=False)  # synced by hand below
+        follower = StoreFollower(b, settings.store_sync_s)
         await a.start()
         await b.start()
         await upload(a, "tiny", model)
@@ -581,16 +639,16 @@ def test_a_second_worker_follows_uploads_and_deletes_through_the_store(tmp_path)
         unsettled = json.loads(recorded)
         unsettled["engine"] = None  # as if A were still loading it
         meta_path.write_text(json.dumps(unsettled))
-        await b.sync_with_store()
-        names_while_loading = b.names()
+        await follower.sync()
+        names_while_loading = b.table.names()
         meta_path.write_bytes(recorded)
-        await b.sync_with_store()
+        await follower.sync()
         x = images(2, seed=5)
-        answer = (await b.get("tiny").infer({"x": x})).outputs["y"]
+        answer = (await infer(b.table.get("tiny"), {"x": x})).outputs["y"]
         optimizations = b.optimizations
         await a.delete("tiny", 1)
-        await b.sync_with_store()
-        gone = b.names()
+        await follower.sync()
+        gone = b.table.names()
         await a.stop(5)
         await b.stop(5)
         return names_while_loading, x, answer, optimizations, gone

@@ -1,7 +1,8 @@
-"""The dynamic batcher through its public API, with a fake engine (``run_batch``).
+"""The dynamic batcher through its public API, with a fake engine that implements the ``Engine`` protocol.
 
 The fake computes a known function of its input rows, so every caller can check that it got exactly its
-own rows back; it also records every call (rows, thread) to check batching, ordering and threading.
+own rows back; it also records every call (its parts, rows and thread) to check batching, ordering and
+threading. Requests are made the way the protocol edges make them: ``Signature.request``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,67 +25,129 @@ from service.errors import (
     RequestTimeoutError,
     ShuttingDownError,
 )
-from service.runtime.batcher import Batcher
+from service.runtime.batcher import INLINE_MAX_S, Batcher, BatchPolicy
+from service.runtime.contract import Engine, InferenceRequest, Signature, TensorSpec
+
+F32 = np.dtype(np.float32)
+SIGNATURE = Signature(
+    (TensorSpec("x", F32, (None, None)),),
+    (TensorSpec("y", F32, (None, None)), TensorSpec("rowsum", F32, (None,))),
+)
 
 
 class FakeEngine:
-    """y = 3x + 1 and rowsum = x.sum(axis=1); records calls; optionally blocks until released."""
+    """y = 3x + 1 and rowsum = x.sum(axis=1); records calls; optionally blocks until released.
 
-    def __init__(self, delay_s: float = 0.0, blocking: bool = False, fail_with: BaseException | None = None):
+    ``concurrent_calls``: the engine's ``max_concurrent_calls`` (the batcher's batches in flight).
+    ``own_seconds``: what ``last_engine_seconds`` reports (an engine in the engine process tells its own
+    time; None: the batcher times the call itself). ``respond``: outputs instead of the function above."""
+
+    signature = SIGNATURE
+    provider = "FakeExecutionProvider"
+    max_batch_size = 64
+
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        blocking: bool = False,
+        fail_with: BaseException | None = None,
+        *,
+        concurrent_calls: int = 1,
+        own_seconds: float | None = None,
+        respond: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None,
+    ) -> None:
         self.delay_s = delay_s
         self.release = threading.Event()
         if not blocking:
             self.release.set()
         self.started = threading.Event()
         self.fail_with = fail_with
+        self.max_concurrent_calls = concurrent_calls
+        self.own_seconds = own_seconds
+        self.respond = respond
         self.calls: list[np.ndarray] = []
+        self.part_sizes: list[list[int]] = []
         self.threads: set[int] = set()
-        self._active = 0
+        self.prepared: set[int] = set()
+        self.closed = 0
+        self.active = 0
         self.max_active = 0
         self._lock = threading.Lock()
 
-    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         with self._lock:
-            self._active += 1
-            self.max_active = max(self.max_active, self._active)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
         try:
             self.threads.add(threading.get_ident())
-            x = feeds["x"]
+            x = np.concatenate([part["x"] for part in parts])
             self.calls.append(x.copy())
+            self.part_sizes.append([len(part["x"]) for part in parts])
             self.started.set()
             self.release.wait(10)
             if self.delay_s:
                 time.sleep(self.delay_s)
             if self.fail_with is not None:
                 raise self.fail_with
+            if self.respond is not None:
+                return self.respond(x)
             return {"y": x * 3 + 1, "rowsum": x.sum(axis=1)}
         finally:
             with self._lock:
-                self._active -= 1
+                self.active -= 1
+
+    def last_engine_seconds(self) -> float | None:
+        return self.own_seconds
+
+    def prepare_thread(self) -> None:
+        self.prepared.add(threading.get_ident())
+
+    def page_locker(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"provider": self.provider, "calls": len(self.calls)}
+
+    def close(self) -> None:
+        self.closed += 1
 
     def rows_seen(self) -> np.ndarray:
         return np.concatenate(self.calls) if self.calls else np.zeros((0, 1))
 
 
-def make(engine: FakeEngine, **kw) -> Batcher:
-    options = {"max_batch_size": 8, "max_delay_s": 0.005, "queue_size": 64, "timeout_s": 5.0, "name": "t"}
-    options.update(kw)
-    return Batcher(engine, **options)
+class Recorder:
+    """A ``BatchObserver`` keeping what it is told."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, float, float]] = []
+        self.depths: list[int] = []
+
+    def on_batch(self, samples: int, queue_s: float, compute_s: float) -> None:
+        self.batches.append((samples, queue_s, compute_s))
+
+    def on_depth(self, depth: int) -> None:
+        self.depths.append(depth)
 
 
-def rows(marker: float, n: int, width: int = 4) -> dict[str, np.ndarray]:
+def make(engine: FakeEngine, observer: Any = None, **kw: Any) -> Batcher:
+    policy = {"max_batch_size": 8, "max_delay_s": 0.005, "queue_size": 64, "timeout_s": 5.0, **kw}
+    return Batcher(engine, BatchPolicy(**policy), name="t", observer=observer)
+
+
+def rows(marker: float, n: int, width: int = 4) -> InferenceRequest:
     """n distinct rows whose first column identifies the request."""
     x = np.full((n, width), marker, dtype=np.float32)
     x[:, 1] = np.arange(n)
-    return {"x": x}
+    return SIGNATURE.request({"x": x})
 
 
-def check_own(result, inputs) -> None:
-    np.testing.assert_array_equal(result.outputs["y"], inputs["x"] * 3 + 1)
-    np.testing.assert_array_equal(result.outputs["rowsum"], inputs["x"].sum(axis=1))
+def check_own(result, request: InferenceRequest) -> None:
+    x = request.inputs["x"]
+    np.testing.assert_array_equal(result.outputs["y"], x * 3 + 1)
+    np.testing.assert_array_equal(result.outputs["rowsum"], x.sum(axis=1))
 
 
-def submit_all(inputs: list[dict[str, np.ndarray]], **kw) -> tuple[FakeEngine, list]:
+def submit_all(requests: list[InferenceRequest], **kw) -> tuple[FakeEngine, list]:
     """Submit every request at once to a fresh batcher (``make(**kw)``) over a FakeEngine, then stop it;
     returns the engine (for its recorded calls) and the results in request order."""
 
@@ -90,11 +155,15 @@ def submit_all(inputs: list[dict[str, np.ndarray]], **kw) -> tuple[FakeEngine, l
         engine = FakeEngine()
         batcher = make(engine, **kw)
         batcher.start()
-        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        results = await asyncio.gather(*(batcher.submit(r) for r in requests))
         await batcher.stop()
         return engine, results
 
     return asyncio.run(main())
+
+
+def test_the_fake_engine_keeps_the_engine_protocol():
+    assert isinstance(FakeEngine(), Engine)
 
 
 def test_concurrent_requests_get_exactly_their_rows():
@@ -105,45 +174,44 @@ def test_concurrent_requests_get_exactly_their_rows():
         rng = random.Random(7)
         requests = [rows(float(i), rng.randint(1, 5)) for i in range(300)]
 
-        async def one(inputs):
+        async def one(request):
             await asyncio.sleep(rng.random() * 0.05)
-            return await batcher.submit(inputs)
+            return await batcher.submit(request)
 
         results = await asyncio.gather(*(one(r) for r in requests))
         await batcher.stop()
         return engine, requests, results
 
     engine, requests, results = asyncio.run(main())
-    for inputs, result in zip(requests, results, strict=True):
-        check_own(result, inputs)
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
         assert result.batch_size <= 16
     assert max(len(c) for c in engine.calls) > 5, "requests were never batched together"
     assert all(len(c) <= 16 for c in engine.calls)
-    assert sum(len(c) for c in engine.calls) == sum(len(r["x"]) for r in requests)  # each row ran once
+    assert sum(len(c) for c in engine.calls) == sum(r.batch for r in requests)  # each row ran once
     assert len(engine.threads) == 1 and engine.max_active == 1  # one engine thread, never concurrent
 
 
 def test_outputs_are_private_copies():
     """A caller mutating its result must not affect another caller (no shared views)."""
+    shared = {"y": np.arange(6, dtype=np.float32).reshape(3, 2)}
 
     async def main():
-        shared = {"y": np.arange(6, dtype=np.float32).reshape(3, 2)}
-        batcher = Batcher(lambda feeds: shared, max_batch_size=8, max_delay_s=0.05, queue_size=8, timeout_s=5)
+        batcher = make(FakeEngine(respond=lambda _x: shared), max_delay_s=0.05, queue_size=8)
         batcher.start()
         a, b = await asyncio.gather(batcher.submit(rows(1, 1)), batcher.submit(rows(2, 2)))
         a.outputs["y"][:] = -1
         await batcher.stop()
-        return shared, a, b
+        return a, b
 
-    shared, _, b = asyncio.run(main())
+    _, b = asyncio.run(main())
     np.testing.assert_array_equal(shared["y"], np.arange(6, dtype=np.float32).reshape(3, 2))
     np.testing.assert_array_equal(b.outputs["y"], [[2, 3], [4, 5]])
 
 
 def test_single_request_waits_at_most_max_delay():
     async def main():
-        engine = FakeEngine()
-        batcher = make(engine, max_delay_s=0.08)
+        batcher = make(FakeEngine(), max_delay_s=0.08)
         batcher.start()
         t0 = time.monotonic()
         result = await batcher.submit(rows(1, 1))
@@ -159,8 +227,7 @@ def test_single_request_waits_at_most_max_delay():
 
 def test_requests_within_the_delay_share_a_batch_and_a_full_batch_does_not_wait():
     async def main():
-        engine = FakeEngine()
-        batcher = make(engine, max_batch_size=4, max_delay_s=1.0)
+        batcher = make(FakeEngine(), max_batch_size=4, max_delay_s=1.0)
         batcher.start()
         first = asyncio.ensure_future(batcher.submit(rows(1, 1)))
         await asyncio.sleep(0.05)
@@ -180,29 +247,33 @@ def test_requests_within_the_delay_share_a_batch_and_a_full_batch_does_not_wait(
 
 def test_every_depth_change_is_reported():
     async def main():
-        seen: list[int] = []
-        batcher = make(FakeEngine(), max_batch_size=8, max_delay_s=0.05, queue_size=16, on_depth=seen.append)
+        observer = Recorder()
+        batcher = make(FakeEngine(), observer, max_batch_size=8, max_delay_s=0.05, queue_size=16)
         batcher.start()
         await asyncio.gather(batcher.submit(rows(1.0, 2)), batcher.submit(rows(2.0, 3)))
         await batcher.stop()
-        return seen
+        return observer.depths
 
     assert asyncio.run(main()) == [2, 5, 3, 0]  # queued 2 then 3 more; both handed to the engine together
 
 
-def test_a_failing_depth_callback_does_not_fail_requests(caplog):
-    def broken(_depth: int) -> None:
-        raise RuntimeError("metrics down")
+def test_a_failing_observer_does_not_fail_requests(caplog):
+    class Broken:
+        def on_batch(self, samples: int, queue_s: float, compute_s: float) -> None:
+            raise RuntimeError("metrics down")
+
+        def on_depth(self, depth: int) -> None:
+            raise RuntimeError("metrics down")
 
     async def main():
-        batcher = make(FakeEngine(), max_batch_size=8, max_delay_s=0.0, queue_size=16, on_depth=broken)
+        batcher = make(FakeEngine(), Broken(), max_batch_size=8, max_delay_s=0.0, queue_size=16)
         batcher.start()
         result = await batcher.submit(rows(4.0, 2))
         await batcher.stop()
         return result
 
     check_own(asyncio.run(main()), rows(4.0, 2))
-    assert "on_depth callback failed" in caplog.text
+    assert "on_depth callback failed" in caplog.text and "on_batch callback failed" in caplog.text
 
 
 def test_queue_full_is_immediate_and_counts_samples():
@@ -233,27 +304,28 @@ def test_queue_full_is_immediate_and_counts_samples():
 
 
 def test_request_larger_than_max_batch_runs_alone():
-    inputs = [rows(1, 10), rows(2, 1)]
-    engine, results = submit_all(inputs, max_batch_size=4, max_delay_s=0.05)
-    for x, result in zip(inputs, results, strict=True):
-        check_own(result, x)
+    requests = [rows(1, 10), rows(2, 1)]
+    engine, results = submit_all(requests, max_batch_size=4, max_delay_s=0.05)
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
     assert sorted(len(c) for c in engine.calls) == [1, 10]
 
 
 def test_batching_disabled_runs_one_request_per_call():
-    inputs = [rows(i, 1 + i % 3) for i in range(6)]
-    engine, results = submit_all(inputs, max_batch_size=1, max_delay_s=0.01)
-    for x, result in zip(inputs, results, strict=True):
-        check_own(result, x)
-    assert sorted(len(c) for c in engine.calls) == sorted(len(x["x"]) for x in inputs)
+    requests = [rows(i, 1 + i % 3) for i in range(6)]
+    engine, results = submit_all(requests, max_batch_size=1, max_delay_s=0.01)
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
+    assert sorted(len(c) for c in engine.calls) == sorted(r.batch for r in requests)
     assert all(len(np.unique(c[:, 0])) == 1 for c in engine.calls)  # never two requests in one call
+    assert all(len(parts) == 1 for parts in engine.part_sizes)
 
 
-def test_different_sample_shapes_are_not_concatenated():
-    inputs = [rows(i, 1, width=3 + i % 2) for i in range(8)]
-    engine, results = submit_all(inputs, max_batch_size=16, max_delay_s=0.05)
-    for x, result in zip(inputs, results, strict=True):
-        check_own(result, x)
+def test_different_sample_shapes_are_not_merged():
+    requests = [rows(i, 1, width=3 + i % 2) for i in range(8)]
+    engine, results = submit_all(requests, max_batch_size=16, max_delay_s=0.05)
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
     assert sorted(len(c) for c in engine.calls) == [4, 4]
     assert {c.shape[1] for c in engine.calls} == {3, 4}
 
@@ -302,7 +374,7 @@ def test_an_engine_call_past_the_timeout_logs_where_the_engine_thread_is(caplog)
     stuck = [r for r in caplog.records if "engine call has been running" in r.getMessage()]
     assert len(stuck) == 1
     message = stuck[0].getMessage()
-    assert "engine thread" in message and "in __call__" in message and "self.release.wait" in message
+    assert "engine thread" in message and "in run_parts" in message and "self.release.wait" in message
 
 
 def test_cancelled_caller_frees_its_slot_and_does_not_break_the_batch():
@@ -364,13 +436,33 @@ def test_engine_exception_reaches_every_caller_and_the_batcher_keeps_serving():
     check_own(ok, rows(7, 2))
 
 
+def test_outputs_without_a_batch_dimension_fail_a_merged_batch_but_not_a_lone_request():
+    """A merged call needs every output's first dim to be the merged batch; one request gets them whole."""
+
+    async def main():
+        engine = FakeEngine(respond=lambda x: {"y": x * 3 + 1, "total": np.array(x.sum(), np.float32)})
+        batcher = make(engine, max_delay_s=0.05)
+        batcher.start()
+        merged = await asyncio.gather(batcher.submit(rows(1, 1)), batcher.submit(rows(2, 1)),
+                                      return_exceptions=True)
+        alone = await batcher.submit(rows(3, 2))
+        await batcher.stop()
+        return merged, alone
+
+    merged, alone = asyncio.run(main())
+    assert all(isinstance(o, EngineError) for o in merged)
+    assert all("'total' has no batch dimension" in o.message for o in merged)
+    np.testing.assert_array_equal(alone.outputs["y"], rows(3, 2).inputs["x"] * 3 + 1)
+    assert alone.outputs["total"] == rows(3, 2).inputs["x"].sum()
+
+
 def test_stop_with_drain_completes_queued_requests_then_refuses():
     async def main():
         engine = FakeEngine(blocking=True)
         batcher = make(engine, max_batch_size=2, max_delay_s=0)
         batcher.start()
-        inputs = [rows(i, 1) for i in range(5)]
-        tasks = [asyncio.ensure_future(batcher.submit(x)) for x in inputs]
+        requests = [rows(i, 1) for i in range(5)]
+        tasks = [asyncio.ensure_future(batcher.submit(r)) for r in requests]
         await asyncio.to_thread(engine.started.wait, 5)
         stopping = asyncio.ensure_future(batcher.stop(drain=True))
         await asyncio.sleep(0.01)
@@ -378,11 +470,11 @@ def test_stop_with_drain_completes_queued_requests_then_refuses():
             await batcher.submit(rows(99, 1))
         engine.release.set()
         await stopping
-        return inputs, await asyncio.gather(*tasks)
+        return requests, await asyncio.gather(*tasks)
 
-    inputs, results = asyncio.run(main())
-    for x, result in zip(inputs, results, strict=True):
-        check_own(result, x)
+    requests, results = asyncio.run(main())
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
 
 
 def test_stop_without_drain_fails_queued_requests_but_finishes_the_running_batch():
@@ -404,51 +496,60 @@ def test_stop_without_drain_fails_queued_requests_but_finishes_the_running_batch
     assert len(engine.calls) == 1
 
 
-def test_on_batch_reports_sizes_and_invalid_batches_are_refused():
-    seen = []
-
+def test_a_request_before_start_is_refused():
     async def main():
-        batcher = Batcher(
-            FakeEngine(),
-            max_batch_size=8,
-            max_delay_s=0.05,
-            queue_size=10,
-            timeout_s=5,
-            on_batch=lambda n, q, c: seen.append((n, q, c)),
-        )
+        with pytest.raises(ShuttingDownError):
+            await make(FakeEngine()).submit(rows(1, 1))
+
+    asyncio.run(main())
+
+
+def test_on_batch_reports_sizes_and_a_batch_over_the_queue_is_refused():
+    async def main():
+        observer = Recorder()
+        batcher = make(FakeEngine(), observer, max_batch_size=8, max_delay_s=0.05, queue_size=10)
         batcher.start()
         await asyncio.gather(batcher.submit(rows(1, 2)), batcher.submit(rows(2, 3)))
-        errors = []
-        for bad in (
-            {"x": np.zeros((2, 4), np.float32), "z": np.zeros((3, 4), np.float32)},
-            {"x": np.zeros((0, 4), np.float32)},
-            {"x": np.zeros((11, 4), np.float32)},
-            {},
-        ):
-            with pytest.raises(InvalidInputError) as info:
-                await batcher.submit(bad)
-            errors.append(info.value)
+        with pytest.raises(InvalidInputError) as info:
+            await batcher.submit(rows(3, 11))
         await batcher.stop()
-        return errors
+        return observer.batches, info.value
 
-    errors = asyncio.run(main())
-    assert len(seen) == 1 and seen[0][0] == 5 and seen[0][1] >= 0 and seen[0][2] >= 0
-    assert "limit of 10" in errors[2].message
+    batches, error = asyncio.run(main())
+    assert len(batches) == 1 and batches[0][0] == 5 and batches[0][1] >= 0 and batches[0][2] >= 0
+    assert "limit of 10" in error.message
+
+
+def test_requests_reach_the_batcher_only_through_the_signature():
+    """What the batcher no longer checks (names, batch sizes, empty requests) the signature refuses."""
+    two = Signature((TensorSpec("x", F32, (None, 4)), TensorSpec("z", F32, (None, 4))), SIGNATURE.outputs)
+    limited = SIGNATURE.limited(max_batch=10, max_bytes=None)
+    cases = [
+        (two, {"x": np.zeros((2, 4), np.float32), "z": np.zeros((3, 4), np.float32)}, "disagree"),
+        (SIGNATURE, {"x": np.zeros((2, 4), np.float32), "z": np.zeros((2, 4), np.float32)}, "unknown input 'z'"),
+        (SIGNATURE, {"x": np.zeros((0, 4), np.float32)}, "at least 1"),
+        (limited, {"x": np.zeros((11, 4), np.float32)}, "limit of 10"),
+        (SIGNATURE, {}, "no inputs"),
+    ]
+    for signature, inputs, words in cases:
+        with pytest.raises(InvalidInputError) as info:
+            signature.request(inputs)
+        assert words in info.value.message, info.value.message
 
 
 def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running_call(caplog):
     events: list[str] = []
 
-    async def main():
-        engine = FakeEngine(blocking=True)
-
-        def run(feeds):
+    class Recording(FakeEngine):
+        def run_parts(self, parts):
             try:
-                return engine(feeds)
+                return super().run_parts(parts)
             finally:
                 events.append("call ended")
 
-        batcher = Batcher(run, max_batch_size=1, max_delay_s=0, queue_size=8, timeout_s=30)
+    async def main():
+        engine = Recording(blocking=True)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0, queue_size=8, timeout_s=30)
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(2)]
         await asyncio.to_thread(engine.started.wait, 5)
@@ -474,39 +575,74 @@ def test_stop_timeout_fails_waiting_callers_and_finalizes_only_after_the_running
     assert len(busy) == 1 and "self.release.wait" in busy[0]  # where the stuck call is
 
 
-def test_several_requests_go_to_run_parts_when_given() -> None:
-    """With ``run_parts`` the batch reaches the engine as its requests (no concatenation by the batcher),
+def test_stop_finalizes_on_the_engine_thread():
+    async def main():
+        engine = FakeEngine()
+        batcher = make(engine, max_delay_s=0.0)
+        batcher.start()
+        await batcher.submit(rows(1, 1))
+        finalized_on: list[int] = []
+
+        def finalize() -> None:
+            finalized_on.append(threading.get_ident())
+            engine.close()
+
+        await batcher.stop(finalize=finalize)
+        return engine, finalized_on
+
+    engine, finalized_on = asyncio.run(main())
+    assert engine.closed == 1 and finalized_on and set(finalized_on) <= engine.threads
+
+
+def test_a_merged_batch_reaches_the_engine_as_its_requests():
+    """The batcher hands the engine the requests' own inputs (``run_parts``), never a copy it concatenated,
     and every caller still gets exactly its own rows."""
-    engine = FakeEngine()
-    part_calls: list[list[int]] = []
+    requests = [rows(float(i), 1 + i % 3) for i in range(6)]
+    seen: list[list[int]] = []
 
-    def run_parts(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        part_calls.append([len(p["x"]) for p in parts])
-        return engine({"x": np.concatenate([p["x"] for p in parts])})
-
-    inputs = [rows(float(i), 1 + i % 3) for i in range(6)]
+    class Identity(FakeEngine):
+        def run_parts(self, parts):
+            seen.append([id(part["x"]) for part in parts])
+            return super().run_parts(parts)
 
     async def main():
-        batcher = make(engine, run_parts=run_parts, max_delay_s=0.05)
+        engine = Identity()
+        batcher = make(engine, max_delay_s=0.05)
         batcher.start()
-        results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        results = await asyncio.gather(*(batcher.submit(r) for r in requests))
         await batcher.stop()
-        return results
+        return engine, results
 
-    results = asyncio.run(main())
-    for result, x in zip(results, inputs, strict=True):
-        check_own(result, x)
-    assert part_calls and all(len(call) > 1 for call in part_calls), part_calls
-    assert len(engine.rows_seen()) == sum(len(x["x"]) for x in inputs)  # every row computed exactly once
+    engine, results = asyncio.run(main())
+    for result, request in zip(results, requests, strict=True):
+        check_own(result, request)
+    assert engine.part_sizes and all(len(sizes) > 1 for sizes in engine.part_sizes), engine.part_sizes
+    assert {i for call in seen for i in call} == {id(r.inputs["x"]) for r in requests}
+    assert len(engine.rows_seen()) == sum(r.batch for r in requests)  # every row computed exactly once
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"max_batch_size": 0},
+        {"queue_size": 0},
+        {"max_delay_s": -0.001},
+        {"timeout_s": 0},
+        {"inline_max_s": -1},
+    ],
+)
+def test_an_impossible_policy_is_refused(policy):
+    with pytest.raises(ValueError, match="need"):
+        BatchPolicy(**{"max_batch_size": 8, "max_delay_s": 0.0, "queue_size": 8, "timeout_s": 1.0, **policy})
 
 
 # ------------------------------------------------------------------ inline runs (a lone request)
 
 
-def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) -> tuple[list, set[int]]:
+def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) -> tuple[list, set[int], set[int]]:
     """Two requests one after the other on a fresh batcher (``inline_max_s`` 50 ms unless given, no delay):
-    the first calibrates the engine time, the second may run inline. Returns the results and the thread
-    of each engine call, with the event loop's thread marked as -1."""
+    the first calibrates the engine time, the second may run inline. Returns the results, the thread of
+    each engine call of the second and the threads the engine was prepared on, the event loop's as -1."""
 
     async def main():
         options = {"max_delay_s": 0.0, "inline_max_s": 0.05, **kw}
@@ -517,21 +653,34 @@ def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) 
         engine.threads.clear()
         results.append(await batcher.submit(rows(2.0, 1), alone=second_alone))
         await batcher.stop()
-        return results, {-1 if t == loop_thread else t for t in engine.threads}
+
+        def mark(threads: set[int]) -> set[int]:
+            return {-1 if t == loop_thread else t for t in threads}
+
+        return results, mark(engine.threads), mark(engine.prepared)
 
     return asyncio.run(main())
 
 
 def test_a_lone_request_runs_inline_once_the_engine_is_known_to_be_fast():
     engine = FakeEngine()
-    results, threads = inline_run(engine, first_alone=True, second_alone=True)
+    results, threads, prepared = inline_run(engine, first_alone=True, second_alone=True)
     check_own(results[1], rows(2.0, 1))
     assert threads == {-1}  # the event loop's own thread ran the engine
+    assert prepared == {-1}  # and the engine readied that thread at start, not in a request
     assert results[1].queue_s == 0.0 and results[1].batch_size == 1
 
 
+def test_the_default_inline_limit_is_the_constant():
+    assert BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=8, timeout_s=1.0).inline_max_s == INLINE_MAX_S
+    results, threads, _ = inline_run(FakeEngine(own_seconds=INLINE_MAX_S / 2), first_alone=True,
+                                     second_alone=True, inline_max_s=INLINE_MAX_S)
+    check_own(results[1], rows(2.0, 1))
+    assert threads == {-1}
+
+
 def test_a_request_among_others_takes_the_engine_thread():
-    results, threads = inline_run(FakeEngine(), first_alone=True, second_alone=False)
+    results, threads, _ = inline_run(FakeEngine(), first_alone=True, second_alone=False)
     check_own(results[1], rows(2.0, 1))
     assert -1 not in threads and len(threads) == 1
 
@@ -539,8 +688,8 @@ def test_a_request_among_others_takes_the_engine_thread():
 @pytest.mark.parametrize(("own_s", "inline"), [(0.001, True), (0.02, False)])
 def test_an_engine_that_tells_its_own_time_is_judged_by_it(own_s, inline):
     # a remote engine: the round trip (20 ms here) exceeds the limit, the engine's own time may not
-    results, threads = inline_run(FakeEngine(delay_s=0.02), first_alone=True, second_alone=True,
-                                  inline_max_s=0.005, engine_seconds=lambda: own_s)
+    results, threads, _ = inline_run(FakeEngine(delay_s=0.02, own_seconds=own_s), first_alone=True,
+                                     second_alone=True, inline_max_s=0.005)
     check_own(results[1], rows(2.0, 1))
     assert (threads == {-1}) is inline
 
@@ -554,9 +703,12 @@ def test_an_engine_that_tells_its_own_time_is_judged_by_it(own_s, inline):
     ],
 )
 def test_no_inline_run_when_off_slow_or_waiting_for_a_batch(options, delay_s):
-    results, threads = inline_run(FakeEngine(delay_s=delay_s), first_alone=True, second_alone=True, **options)
+    results, threads, prepared = inline_run(FakeEngine(delay_s=delay_s), first_alone=True, second_alone=True,
+                                            **options)
     check_own(results[1], rows(2.0, 1))
     assert -1 not in threads
+    if options.get("inline_max_s") == 0.0 or "max_delay_s" in options:
+        assert -1 not in prepared  # never inline: the loop's thread is not readied for the engine
 
 
 def test_no_inline_run_while_a_batch_is_on_the_engine():
@@ -564,32 +716,36 @@ def test_no_inline_run_while_a_batch_is_on_the_engine():
     batch queues behind it instead of calling the engine from the loop."""
 
     async def main():
-        engine = FakeEngine(blocking=True)
+        engine = FakeEngine()
         batcher = make(engine, max_delay_s=0.0, inline_max_s=10.0)
         batcher.start()
-        batcher._lone_run_s[1] = 0.0  # known to be fast
+        await batcher.submit(rows(0.0, 1), alone=True)  # the engine is now known to be fast
+        engine.release.clear()
+        engine.started.clear()
+        engine.threads.clear()
+        engine.max_active = 0
         first = asyncio.ensure_future(batcher.submit(rows(1.0, 1)))
         while not engine.started.is_set():
             await asyncio.sleep(0.001)
         second = asyncio.ensure_future(batcher.submit(rows(2.0, 1), alone=True))
         await asyncio.sleep(0.01)
-        assert not second.done()  # waiting, not run inline next to the busy engine
+        waiting = not second.done()  # waiting, not run inline next to the busy engine
         engine.release.set()
         results = await asyncio.gather(first, second)
         await batcher.stop()
-        return engine, results
+        return engine, waiting, results, threading.get_ident()
 
-    engine, results = asyncio.run(main())
+    engine, waiting, results, loop_thread = asyncio.run(main())
+    assert waiting
     check_own(results[1], rows(2.0, 1))
-    assert engine.max_active == 1 and len(engine.threads) == 1
+    assert engine.max_active == 1 and len(engine.threads) == 1 and loop_thread not in engine.threads
 
 
 def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
-    seen = []
-
     async def main():
         engine = FakeEngine()
-        batcher = make(engine, max_delay_s=0.0, inline_max_s=0.05, on_batch=lambda *a: seen.append(a))
+        observer = Recorder()
+        batcher = make(engine, observer, max_delay_s=0.0, inline_max_s=0.05)
         batcher.start()
         await batcher.submit(rows(1.0, 1), alone=True)
         engine.fail_with = RuntimeError("device lost")
@@ -598,19 +754,20 @@ def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
         engine.fail_with = None
         result = await batcher.submit(rows(3.0, 1), alone=True)  # the model keeps serving
         await batcher.stop()
-        return result
+        return result, observer.batches
 
-    check_own(asyncio.run(main()), rows(3.0, 1))
+    result, seen = asyncio.run(main())
+    check_own(result, rows(3.0, 1))
     assert len(seen) == 2 and all(call[0] == 1 for call in seen)  # inline runs are reported as batches of 1
 
 
 def test_with_two_batches_in_flight_the_next_batch_runs_while_one_is_held():
-    """in_flight=2 (an engine that takes concurrent calls): a second batch forms and runs while the first
-    is still on the engine; every caller still gets exactly its rows; with 2 slots busy, requests wait."""
+    """An engine that takes two concurrent calls: a second batch forms and runs while the first is still on
+    the engine; every caller still gets exactly its rows; with 2 slots busy, requests wait."""
 
     async def main():
-        engine = FakeEngine(blocking=True)
-        batcher = make(engine, max_batch_size=4, max_delay_s=0, in_flight=2)
+        engine = FakeEngine(blocking=True, concurrent_calls=2)
+        batcher = make(engine, max_batch_size=4, max_delay_s=0)
         batcher.start()
         first = asyncio.ensure_future(batcher.submit(rows(1, 1)))
         await asyncio.to_thread(engine.started.wait, 5)
@@ -623,9 +780,10 @@ def test_with_two_batches_in_flight_the_next_batch_runs_while_one_is_held():
         engine.release.set()
         results = await asyncio.gather(first, *more)
         await batcher.stop()
-        return engine, active_while_held, calls_while_held, results
+        return engine, batcher.in_flight, active_while_held, calls_while_held, results
 
-    engine, active, calls, results = asyncio.run(main())
+    engine, in_flight, active, calls, results = asyncio.run(main())
+    assert in_flight == 2
     assert active == 2 and calls == 2  # two batches on the engine at once, the third waited for a slot
     check_own(results[0], rows(1, 1))
     for i, result in zip(range(2, 6), results[1:], strict=True):
@@ -636,27 +794,28 @@ def test_with_two_batches_in_flight_the_next_batch_runs_while_one_is_held():
 
 def test_stop_waits_for_every_batch_in_flight():
     async def main():
-        engine = FakeEngine(blocking=True)
-        batcher = make(engine, max_batch_size=1, max_delay_s=0, in_flight=3)
+        engine = FakeEngine(blocking=True, concurrent_calls=3)
+        batcher = make(engine, max_batch_size=1, max_delay_s=0)
         batcher.start()
         tasks = [asyncio.ensure_future(batcher.submit(rows(i, 1))) for i in range(3)]
         deadline = time.monotonic() + 5
         while engine.max_active < 3 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         finalized = []
-        stopping = asyncio.ensure_future(batcher.stop(drain=True, finalize=lambda: finalized.append(engine._active)))
+        stopping = asyncio.ensure_future(batcher.stop(drain=True, finalize=lambda: finalized.append(engine.active)))
         await asyncio.sleep(0.05)
-        assert not stopping.done()  # three calls still on the engine
+        still_running = not stopping.done()  # three calls still on the engine
         engine.release.set()
         await stopping
-        return finalized, await asyncio.gather(*tasks)
+        return finalized, still_running, await asyncio.gather(*tasks)
 
-    finalized, results = asyncio.run(main())
+    finalized, still_running, results = asyncio.run(main())
+    assert still_running
     assert finalized == [0]  # the engine was finalized with no call running
     for i, result in enumerate(results):
         check_own(result, rows(i, 1))
 
 
-def test_in_flight_must_be_positive():
-    with pytest.raises(ValueError, match="in_flight"):
-        make(FakeEngine(), in_flight=0)
+@pytest.mark.parametrize(("calls", "in_flight"), [(0, 1), (1, 1), (4, 4)])
+def test_batches_in_flight_follow_the_engines_concurrent_calls(calls, in_flight):
+    assert make(FakeEngine(concurrent_calls=calls)).in_flight == in_flight

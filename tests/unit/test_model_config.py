@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service.model_config import MAX_BUCKETS, ModelConfig
-from service.settings import BatchingSettings, EngineSettings, OptimizerSettings, ServiceSettings
+from service.model_config import ModelConfig
+from service.registry.manager import engine_options
+from service.settings import MAX_BUCKETS, ServiceSettings
 
 
 @pytest.mark.parametrize(
@@ -37,9 +38,13 @@ def test_unsafe_values_are_refused(fields):
 def test_unset_fields_follow_the_service_defaults():
     settings = ServiceSettings(
         _env_file=None,
-        batching=BatchingSettings(max_batch_size=32, max_delay_ms=4.0, queue_size=100, timeout_s=9.0),
-        engine=EngineSettings(buckets=(1, 8, 32)),
-        optimizer=OptimizerSettings(fused_conv=False, verify=True),
+        max_batch_size=32,
+        max_delay_ms=4.0,
+        queue_size=100,
+        request_timeout_s=9.0,
+        buckets=(1, 8, 32),
+        fused_conv=False,
+        verify=True,
         precision="fp16",
     )
     effective = ModelConfig().effective(settings)
@@ -51,7 +56,7 @@ def test_unset_fields_follow_the_service_defaults():
         False,
         True,
     )
-    assert effective.engine_settings(settings).buckets == (1, 8, 32)
+    assert engine_options(settings, effective).buckets == (1, 8, 32)
 
 
 def test_set_fields_override_and_round_trip():
@@ -68,15 +73,15 @@ def test_set_fields_override_and_round_trip():
         "fused_conv": True,
     }
     assert ModelConfig.from_dict(stored) == config
-    no_fusion = ServiceSettings(_env_file=None, optimizer=OptimizerSettings(fused_conv=False))
+    no_fusion = ServiceSettings(_env_file=None, fused_conv=False)
     effective = config.effective(no_fusion)
     assert (effective.max_batch_size, effective.max_delay_s, effective.precision) == (8, 0.0, "auto")
     assert effective.buckets == (1, 2, 8) and effective.fused_conv
-    assert effective.engine_settings(ServiceSettings(_env_file=None)).buckets == (1, 2, 8)
+    assert engine_options(ServiceSettings(_env_file=None), effective).buckets == (1, 2, 8)
 
 
 def test_batching_switched_off_globally_means_one_request_per_call():
-    settings = ServiceSettings(_env_file=None, batching=BatchingSettings(enabled=False))
+    settings = ServiceSettings(_env_file=None, max_batch_size=1)
     assert ModelConfig(max_batch_size=16).effective(settings).max_batch_size == 1
 
 
@@ -84,5 +89,5 @@ def test_graph_fields_change_only_with_what_changes_the_graph():
     settings = ServiceSettings(_env_file=None)
     base = ModelConfig().effective(settings).graph_fields()
     assert ModelConfig(max_batch_size=4, precision="fp16").effective(settings).graph_fields() == base
-    flipped = ModelConfig(fused_conv=not settings.optimizer.fused_conv)
+    flipped = ModelConfig(fused_conv=not settings.fused_conv)
     assert flipped.effective(settings).graph_fields() != base

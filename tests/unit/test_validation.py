@@ -1,4 +1,4 @@
-"""Upload acceptance rules (service.validation): one test per rule, hostile cases included."""
+"""Upload acceptance rules (service.registry.acceptance): one test per rule, hostile cases included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from service.errors import BadRequestError, InvalidModelError
-from service.registry.acceptance import MAX_GRAPH_DEPTH, model_signature, validate_model, validate_model_name
+from service.registry.acceptance import MAX_GRAPH_DEPTH, validate_model, validate_model_name
+from service.runtime.contract import Signature
 
 OPSET = [helper.make_opsetid("", 17)]
 
@@ -47,9 +48,9 @@ def refused(model: onnx.ModelProto, *words: str) -> str:
 def test_a_plain_model_passes_and_has_a_signature():
     model = relu_model()
     validate_model(model)
-    inputs, outputs = model_signature(model)
-    assert [(s.name, s.dtype, s.shape) for s in inputs] == [("x", np.dtype(np.float32), (None, 3))]
-    assert [s.name for s in outputs] == ["y"]
+    signature = Signature.from_onnx(model)
+    assert [(s.name, s.dtype, s.shape) for s in signature.inputs] == [("x", np.dtype(np.float32), (None, 3))]
+    assert [s.name for s in signature.outputs] == ["y"]
 
 
 def test_onnx_runtime_domain_is_accepted():
