@@ -632,6 +632,7 @@ def idle_gaps(engine: Any, max_s: float, gap_s: float = IDLE_GAP_S, runs: int = 
 def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: float) -> EngineTable:
     """Time Engine.run (host arrays in and out, as the batcher calls it) per batch size, in-process."""
     from service.runtime.contract import random_feeds
+    from service.runtime.tuner import time_batch
 
     engine = load_served_engine(model_dir, DEMO_MODEL, device)
     try:
@@ -642,7 +643,7 @@ def measure_engine(model_dir: Path, device: str, batches: Sequence[int], max_s: 
             run_ms[batch] = common.median(times)
             run_p99[batch] = common.percentile(times, 99)
             print(f"  engine batch {batch:3d}: {run_ms[batch]:8.3f} ms  ({batch / run_ms[batch] * 1e3:9.1f}/s)")
-        bound = engine.time_batch(1, runs=300, max_s=max_s)
+        bound = time_batch(engine, 1, runs=300, max_s=max_s)
         idle = idle_gaps(engine, max_s)
         print("  engine batch   1 after idle gaps: " + ", ".join(f"{k} {v:.3f} ms" for k, v in idle.items()))
         return EngineTable(engine.provider, engine.describe(), run_ms, run_p99, bound, idle)

@@ -212,6 +212,8 @@ class OrtEngine:
         concatenated and run in chunks of the largest bucket."""
         if self._closed:
             raise EngineError("engine is closed")
+        if not parts:
+            raise EngineError("internal error: a call with no parts")
         sizes = [self._signature_rows(part) for part in parts]
         total = sum(sizes)
         with self._one_caller():

@@ -6,7 +6,9 @@ Skipped unless ``cuda_status()`` says the CUDA provider is usable (run them on t
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -15,10 +17,11 @@ import pytest
 from engine_models import conv_relu_net
 from onnx import TensorProto, helper
 
-from service.runtime.tuner import Config, select_variant
-from service.runtime.engine import Engine
+from service.runtime import engine as engine_module
+from service.runtime.contract import EngineOptions
 from service.runtime.device import cuda_status
-from service.settings import EngineSettings
+from service.runtime.engine import OrtEngine
+from service.runtime.tuner import Config, select_variant
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +29,7 @@ pytestmark = [
 ]
 
 CUDA = "CUDAExecutionProvider"
-SETTINGS = EngineSettings(device="cuda")  # buckets 1..64, CUDA graphs, EXHAUSTIVE search
+SETTINGS = EngineOptions(device="cuda")  # buckets 1..64, CUDA graphs, EXHAUSTIVE search
 REL_L2_FP32 = 1e-2  # the CUDA provider may use TF32 in convolutions
 
 
@@ -50,12 +53,12 @@ def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64)))
 
 
-def feeds_for(engine: Engine, n: int, seed: int) -> dict[str, np.ndarray]:
+def feeds_for(engine: Any, n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal((n, *s.shape[1:])).astype(np.float32) for s in engine.inputs}
+    return {s.name: rng.standard_normal((n, *s.shape[1:])).astype(np.float32) for s in engine.signature.inputs}
 
 
-def assert_matches_cpu(engine: Engine, model: onnx.ModelProto, n: int, seed: int) -> None:
+def assert_matches_cpu(engine: Any, model: onnx.ModelProto, n: int, seed: int) -> None:
     feeds = feeds_for(engine, n, seed)
     got, ref = engine.run(feeds), cpu_outputs(model, feeds)
     for name, expected in ref.items():
@@ -70,13 +73,13 @@ def tiny() -> onnx.ModelProto:
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tiny: onnx.ModelProto) -> Engine:
-    engine = Engine.load(tiny, SETTINGS, variant="tiny")
+def tiny_engine(tiny: onnx.ModelProto) -> Iterator[OrtEngine]:
+    engine = OrtEngine.load(tiny, SETTINGS, variant="tiny")
     yield engine
     engine.close()
 
 
-def test_cuda_provider_is_really_active(tiny_engine: Engine) -> None:
+def test_cuda_provider_is_really_active(tiny_engine: OrtEngine) -> None:
     assert tiny_engine.provider == CUDA
     assert tiny_engine._session.get_providers()[0] == CUDA
     info = tiny_engine.describe()
@@ -85,10 +88,11 @@ def test_cuda_provider_is_really_active(tiny_engine: Engine) -> None:
     assert "CUDA device 0" in info["device"]
 
 
-def test_rows_go_to_the_device_through_the_cuda_runtime(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+def test_rows_go_to_the_device_through_the_cuda_runtime(tiny_engine: OrtEngine, tiny: onnx.ModelProto) -> None:
     """The CUDA runtime ORT loaded is bound, and parts of uneven sizes land in their rows: the rows past
     the batch keep the last call's data and change nothing."""
     assert tiny_engine.host_to_device == "rows" == tiny_engine.describe()["host_to_device"]
+    assert tiny_engine.page_locker() is not None
     tiny_engine.run(feeds_for(tiny_engine, 16, seed=40))
     parts = [feeds_for(tiny_engine, n, seed=41 + n) for n in (1, 4, 6)]
     got = tiny_engine.run_parts(parts)
@@ -97,16 +101,17 @@ def test_rows_go_to_the_device_through_the_cuda_runtime(tiny_engine: Engine, tin
         assert got[name].shape == expected.shape and rel_l2(got[name], expected) < REL_L2_FP32
 
 
-def test_bucket_copies_without_direct_copy(tiny: onnx.ModelProto) -> None:
-    """Without the CUDA runtime the engine keeps ORT's whole-bucket update_inplace path, same answers."""
-    settings = SETTINGS.model_copy(update={"buckets": (1, 8), "direct_copy": False})
-    with Engine.load(tiny, settings, variant="tiny") as engine:
-        assert engine.host_to_device == "bucket"
+def test_bucket_copies_without_a_cuda_runtime(tiny: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a CUDA runtime to bind the engine keeps ORT's whole-bucket update_inplace path, same answers,
+    and has nothing worth page-locking."""
+    monkeypatch.setattr(engine_module, "cuda_runtime", lambda: None)
+    with OrtEngine.load(tiny, SETTINGS.replace(buckets=(1, 8)), variant="tiny") as engine:
+        assert engine.host_to_device == "bucket" and engine.page_locker() is None
         for seed, n in enumerate((1, 5, 8)):
             assert_matches_cpu(engine, tiny, n, seed)
 
 
-def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: OrtEngine, tiny: onnx.ModelProto) -> None:
     """What the engine process does with a worker's buffer in /dev/shm (as the server places them): page-lock
     the mapping, run from views of it. (A file on a disk file system was refused: invalid argument.)"""
     import shutil
@@ -119,7 +124,7 @@ def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny:
     layout, nbytes = layout_of({k: (v.shape, v.dtype) for k, v in feeds.items()})
     written = GrowingBuffer(tmp_path, prefix="in")
     written.fit(nbytes).write_rows(layout, [feeds])
-    attached = AttachedBuffers(tmp_path, tiny_engine)
+    attached = AttachedBuffers(tmp_path, tiny_engine.page_locker())
     views = attached.get(str(written.current.path)).views(layout)
     assert attached.locked  # cudaHostRegister accepted the shared mapping
     got = {k: v.copy() for k, v in tiny_engine.run(views).items()}
@@ -134,7 +139,7 @@ def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: Engine, tiny:
 @pytest.mark.parametrize("name", ["tiny", "mobilenet_v3_large"])
 def test_outputs_equal_cpu_for_every_bucket_and_odd_sizes(name: str, tiny: onnx.ModelProto) -> None:
     model = tiny if name == "tiny" else zoo_model(name)
-    with Engine.load(model, SETTINGS, variant=name) as engine:
+    with OrtEngine.load(model, SETTINGS, variant=name) as engine:
         for seed, n in enumerate([*engine.buckets, 3, 33, 70]):  # 70: chunked above the largest bucket
             assert_matches_cpu(engine, model, n, seed)
 
@@ -143,8 +148,8 @@ def test_outputs_equal_cpu_for_every_bucket_and_odd_sizes(name: str, tiny: onnx.
 def test_conv_bias_fusion_gives_the_cpu_providers_answer(name: str, tiny: onnx.ModelProto) -> None:
     """fuse_conv_bias (a tuner dimension) changes which cuDNN graph runs each convolution, not the result."""
     model = tiny if name == "tiny" else zoo_model(name)
-    settings = SETTINGS.model_copy(update={"buckets": (1, 8, 64)})
-    with Engine.load(model, settings, fuse_conv_bias=True, prefer_nhwc=True, variant=name) as engine:
+    settings = SETTINGS.replace(buckets=(1, 8, 64))
+    with OrtEngine.load(model, settings, fuse_conv_bias=True, prefer_nhwc=True, variant=name) as engine:
         assert engine.describe()["fuse_conv_bias"] is True and engine.describe()["cuda_graph"]
         for seed, n in enumerate([1, 3, 8, 64]):
             assert_matches_cpu(engine, model, n, seed)
@@ -156,10 +161,10 @@ def test_split_engine_serves_large_buckets_from_fp16_without_graphs(tiny: onnx.M
     from service.runtime.precision import to_fp16
     from service.runtime.split_engine import SplitEngine
 
-    settings = SETTINGS.model_copy(update={"buckets": (1, 8, 64)})
-    large_settings = settings.model_copy(update={"buckets": (64,), "cuda_graph": False})
-    primary = Engine.load(tiny, settings, variant="fp32-graph")
-    large = Engine.load(to_fp16(tiny), large_settings, fuse_conv_bias=True, prefer_nhwc=True, variant="fp16")
+    settings = SETTINGS.replace(buckets=(1, 8, 64))
+    large_settings = settings.replace(buckets=(64,), cuda_graph=False)
+    primary = OrtEngine.load(tiny, settings, variant="fp32-graph")
+    large = OrtEngine.load(to_fp16(tiny), large_settings, fuse_conv_bias=True, prefer_nhwc=True, variant="fp16")
     with SplitEngine(primary, large, [64]) as engine:
         assert engine.describe()["large_buckets"]["engine"]["cuda_graph"] is False
         for seed, n in enumerate([1, 8, 9, 33, 64, 70]):
@@ -174,11 +179,11 @@ def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
 ) -> None:
     """The whole split path on the GPU: graphless configurations timed in children, the split decided (forced
     here: any graphless configuration counts as faster), the record reused without timing."""
-    from service.runtime import tuner as autotune
+    from service.runtime import tuner
     from service.runtime.split_engine import SplitEngine
 
-    monkeypatch.setattr(autotune, "SPLIT_MIN_GAIN", -10.0)
-    settings = EngineSettings(device="cuda", buckets=(1, 8, 64), prefer_nhwc="on", fuse_conv_bias="off")
+    monkeypatch.setattr(tuner, "SPLIT_MIN_GAIN", -10.0)
+    settings = EngineOptions(device="cuda", buckets=(1, 8, 64))
     engine, record = select_variant({"plain": tiny}, settings, precision="fp32", budget_s=60)
     try:
         assert isinstance(engine, SplitEngine), record
@@ -195,7 +200,7 @@ def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
         again.close()
 
 
-def test_replayed_graph_gives_fresh_results(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+def test_replayed_graph_gives_fresh_results(tiny_engine: OrtEngine, tiny: onnx.ModelProto) -> None:
     for n in (1, 3, 64):
         first, second = feeds_for(tiny_engine, n, 100 + n), feeds_for(tiny_engine, n, 200 + n)
         y1 = tiny_engine.run(first)["y"].copy()
@@ -207,7 +212,7 @@ def test_replayed_graph_gives_fresh_results(tiny_engine: Engine, tiny: onnx.Mode
 
 def test_two_engines_on_one_gpu(tiny: onnx.ModelProto) -> None:
     other = tiny_cnn(seed=1)
-    with Engine.load(tiny, SETTINGS, variant="a") as a, Engine.load(other, SETTINGS, variant="b") as b:
+    with OrtEngine.load(tiny, SETTINGS, variant="a") as a, OrtEngine.load(other, SETTINGS, variant="b") as b:
         for seed in range(4):
             x = feeds_for(a, 5, seed)
             ya, yb = a.run(x)["y"], b.run(x)["y"]
@@ -215,7 +220,7 @@ def test_two_engines_on_one_gpu(tiny: onnx.ModelProto) -> None:
             assert rel_l2(yb, cpu_outputs(other, x)["y"]) < REL_L2_FP32
 
 
-def test_serving_thread_while_another_engine_captures(tiny_engine: Engine, tiny: onnx.ModelProto) -> None:
+def test_serving_thread_while_another_engine_captures(tiny_engine: OrtEngine, tiny: onnx.ModelProto) -> None:
     """One thread serves the first engine while the main thread loads (captures) a second engine."""
     x = feeds_for(tiny_engine, 3, 7)
     expected = cpu_outputs(tiny, x)["y"]
@@ -233,7 +238,7 @@ def test_serving_thread_while_another_engine_captures(tiny_engine: Engine, tiny:
     worker.start()
     try:
         other = tiny_cnn(seed=2)
-        with Engine.load(other, SETTINGS, variant="loaded-while-serving") as engine:
+        with OrtEngine.load(other, SETTINGS, variant="loaded-while-serving") as engine:
             assert engine.describe()["cuda_graph"] is True
             assert_matches_cpu(engine, other, 6, 1)
     finally:
@@ -248,17 +253,17 @@ import json, sys
 import numpy as np
 from service import zoo
 from service.optimizer import OptimizerConfig, optimize
-from service.runtime.engine import Engine
+from service.runtime.contract import EngineOptions
+from service.runtime.engine import OrtEngine
 from service.runtime.precision import check_fp16, to_fp16
-from service.settings import EngineSettings
 
 model, _ = optimize(zoo.build(sys.argv[1]), OptimizerConfig(fused_conv=False))
-e16 = Engine.load(to_fp16(model), EngineSettings(device="cuda"), variant="fp16")
-e32 = Engine.load(model, EngineSettings(device="cpu", buckets=(4,)))
+e16 = OrtEngine.load(to_fp16(model), EngineOptions(device="cuda"), variant="fp16")
+e32 = OrtEngine.load(model, EngineOptions(device="cpu", buckets=(4,)))
 info = e16.describe()
 result = check_fp16(e16, e32, batch=4, trials=2)
-print(json.dumps({"precision": info["precision"], "cuda_graph": info["cuda_graph"],
-                  "io": [str(e16.inputs[0].dtype), str(e16.outputs[0].dtype)], **result.to_dict()}))
+io = [str(e16.signature.inputs[0].dtype), str(e16.signature.outputs[0].dtype)]
+print(json.dumps({"precision": info["precision"], "cuda_graph": info["cuda_graph"], "io": io, **result.to_dict()}))
 """
 
 _FP16_SELECT_SCRIPT = """
@@ -266,13 +271,12 @@ import json
 import numpy as np
 from service import zoo
 from service.optimizer import OptimizerConfig, optimize
-from service.runtime.tuner import Config, select_variant
-from service.runtime.engine import random_feeds
-from service.settings import EngineSettings
+from service.runtime.contract import EngineOptions, random_feeds
+from service.runtime.tuner import select_variant
 
 model, _ = optimize(zoo.build("mobilenet_v3_large"), OptimizerConfig(fused_conv=False))
-engine, record = select_variant({"plain": model}, EngineSettings(device="cuda", buckets=(1, 8)), precision="fp16")
-out = engine.run(random_feeds(engine.inputs, 3, np.random.default_rng(0)))
+engine, record = select_variant({"plain": model}, EngineOptions(device="cuda", buckets=(1, 8)), precision="fp16")
+out = engine.run(random_feeds(engine.signature.inputs, 3, np.random.default_rng(0)))
 finite = bool(all(np.isfinite(v).all() for v in out.values()))
 print(json.dumps({"precision": engine.describe()["precision"], "finite": finite,
                   "skipped": record.get("skipped"), "reason": record.get("reason")}))
@@ -324,7 +328,7 @@ def test_graph_falls_back_when_a_node_is_not_on_cuda() -> None:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    with Engine.load(model, SETTINGS, variant="det") as engine:
+    with OrtEngine.load(model, SETTINGS, variant="det") as engine:
         info = engine.describe()
         if info["cuda_graph"]:
             pytest.skip("Det runs on the CUDA provider in this build: nothing falls back")
@@ -335,7 +339,7 @@ def test_graph_falls_back_when_a_node_is_not_on_cuda() -> None:
 
 def test_select_variant_times_and_reuses_its_choice() -> None:
     candidates = {"fused": tiny_cnn(fused=True), "plain": tiny_cnn()}
-    settings = EngineSettings(device="cuda", buckets=(1, 8, 64))
+    settings = EngineOptions(device="cuda", buckets=(1, 8, 64))
     engine, record = select_variant(candidates, settings, precision="auto", budget_s=60)
     try:
         timings = record["timings_ms"]
@@ -361,23 +365,25 @@ def test_batcher_runs_a_lone_request_on_the_event_loop_thread(tiny: onnx.ModelPr
     thread path from the engine thread: both give the CPU provider's answer."""
     import asyncio
 
-    from service.runtime.batcher import Batcher
+    from service.runtime.batcher import Batcher, BatchPolicy
 
-    with Engine.load(tiny, SETTINGS, variant="inline") as engine:
+    policy = BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=64, timeout_s=30.0, inline_max_s=0.05)
+    with OrtEngine.load(tiny, SETTINGS, variant="inline") as engine:
         x = feeds_for(engine, 1, 11)
+        request = engine.signature.request(x)
 
-        async def main() -> tuple[dict, dict, float | None]:
-            batcher = Batcher(engine.run, run_parts=engine.run_parts, max_batch_size=8, max_delay_s=0.0,
-                              queue_size=64, timeout_s=30.0, inline_max_s=0.05)
+        async def main() -> tuple[Any, Any, float | None]:
+            batcher = Batcher(engine, policy, name="inline")
             batcher.start()
-            threaded = await batcher.submit(x)  # engine thread; measures the engine time
-            inline = await batcher.submit(x, alone=True)
+            threaded = await batcher.submit(request)  # engine thread; measures the engine time
+            inline = await batcher.submit(request, alone=True)
             await batcher.stop()
-            return threaded.outputs, inline.outputs, batcher._lone_run_s.get(1)
+            return threaded, inline, batcher._lone_run_s.get(1)
 
         threaded, inline, lone_s = asyncio.run(main())
         assert lone_s is not None and lone_s < 0.05
+        assert inline.queue_s == 0.0  # it ran right there, on the event loop
         assert threading.get_ident() in engine._ready_threads  # the loop's thread captured its own graphs
         expected = cpu_outputs(tiny, x)["y"]
-        assert rel_l2(threaded["y"], expected) < REL_L2_FP32
-        assert rel_l2(inline["y"], expected) < REL_L2_FP32
+        assert rel_l2(threaded.outputs["y"], expected) < REL_L2_FP32
+        assert rel_l2(inline.outputs["y"], expected) < REL_L2_FP32

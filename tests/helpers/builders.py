@@ -1,7 +1,7 @@
 """Small ONNX models built in code for the security and reliability tests: good ones to serve, and the
 hostile ones of the hardening issue (external data, custom domains, memory bombs, deep nesting, ...).
 
-``HostCopies`` stands in for the CUDA runtime (service.runtime.device) on the CPU.
+``HostCopies`` stands in for the CUDA runtime (``service.runtime.device.CudaRuntime``) on the CPU.
 
 Every model sets ``ir_version`` 8 (ONNX Runtime 1.31 refuses onnx 1.23's default IR 14).
 """
@@ -326,7 +326,8 @@ def future_opset() -> bytes:
 
 
 class HostCopies:
-    """Stands in for service.runtime.device on the CPU: "device" memory is the CPU-bound OrtValue's."""
+    """Stands in for ``service.runtime.device.CudaRuntime`` on the CPU: "device" memory is the CPU-bound
+    OrtValue's."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[int, int]] = []  # (destination, bytes)
@@ -355,7 +356,10 @@ class HostCopies:
 
 
 def with_row_copies(engine: Any) -> HostCopies:
-    """Make an Engine loaded with ``_io_binding_on_cpu`` copy rows itself, as on CUDA."""
+    """Make an OrtEngine loaded with ``_io_binding_on_cpu`` copy rows itself, as on CUDA: a ``RowCopier`` on
+    a ``HostCopies`` (so ``host_to_device`` is "rows" and ``page_locker()`` its ``PageLocks``)."""
+    from service.runtime.buckets import RowCopier
+
     fake = HostCopies()
-    engine._cudart = fake  # type: ignore[assignment]
+    engine._copier = RowCopier(fake, engine._choice.device_id, engine._lock, engine.variant)  # type: ignore[arg-type]
     return fake

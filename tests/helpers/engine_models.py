@@ -1,4 +1,5 @@
-"""The small conv net of the engine tests, in its plain (Conv + Relu) and fused (FusedConv) forms.
+"""The small conv net of the engine tests, in its plain (Conv + Relu) and fused (FusedConv) forms, and a
+scripted ``Engine`` (``GatedEngine``) for tests that must control when a call runs.
 
 Shared by tests/unit/runtime (CPU provider) and tests/gpu (CUDA provider), which need the same two
 candidate graphs for the variant tuner. Pure onnx + numpy: importing it needs no GPU.
@@ -6,9 +7,16 @@ candidate graphs for the variant tuner. Pure onnx + numpy: importing it needs no
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from service.errors import InvalidInputError
+from service.runtime.contract import PageLocker, Signature, TensorSpec
 
 
 def _first_layer(fused: bool) -> list[onnx.NodeProto]:
@@ -59,3 +67,46 @@ def conv_relu_net(
     )
     opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+class GatedEngine:
+    """An ``Engine`` that doubles its input ``x`` [N, 4]; its first call waits at ``gate`` (so that later
+    calls queue up behind it), and a NaN in a call fails that call with an InvalidInputError. It records
+    each call's row counts and the threads that prepared or ran it."""
+
+    max_batch_size = 16
+    max_concurrent_calls = 1
+    provider = "fake"
+
+    def __init__(self) -> None:
+        spec = TensorSpec("x", np.dtype(np.float32), (None, 4))
+        self.signature = Signature((spec,), (TensorSpec("y", np.dtype(np.float32), (None, 4)),))
+        self.gate = threading.Event()
+        self.calls: list[list[int]] = []
+        self.threads: set[str] = set()
+        self.closed = False
+
+    def prepare_thread(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        self.calls.append([self.signature.rows_of(p) for p in parts])
+        self.threads.add(threading.current_thread().name)
+        if len(self.calls) == 1:
+            self.gate.wait(10)
+        x = np.concatenate([p["x"] for p in parts])
+        if np.isnan(x).any():
+            raise InvalidInputError("input 'x' holds NaN")
+        return {"y": x * 2}
+
+    def last_engine_seconds(self) -> float | None:
+        return None
+
+    def page_locker(self) -> PageLocker | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"variant": "gated", "provider": self.provider}
+
+    def close(self) -> None:
+        self.closed = True

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from service.errors import EngineError
-from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker
+from service.runtime.batching import shape_key
+from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker, Signature
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, Layout, layout_of
@@ -112,7 +113,7 @@ class RemoteEngine:
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The parts as one batch in the engine process; outputs are views valid until the next call."""
-        layout, nbytes, rows = _layout(parts)
+        layout, nbytes, rows = _layout(self.signature, parts)
         if not self._guard.acquire(blocking=False):
             raise EngineError("engine is busy: one thread at a time may call run_parts()")
         try:
@@ -190,6 +191,7 @@ class RemoteEnginePool:
         for engine in engines:
             self._idle.put(engine)
         self._last = threading.local()
+        self._closed = False
 
     def last_engine_seconds(self) -> float | None:
         """The calling thread's last call's engine time (see ``RemoteEngine.last_engine_seconds``)."""
@@ -205,6 +207,8 @@ class RemoteEnginePool:
         return self._engines[0].describe()
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise EngineError("engine is closed")
         engine = self._idle.get()
         try:
             outputs = {name: value.copy() for name, value in engine.run_parts(parts).items()}
@@ -215,6 +219,9 @@ class RemoteEnginePool:
 
     def close(self) -> None:
         """Close every connection, each once no call is using it (a call never loses its engine)."""
+        if self._closed:
+            return
+        self._closed = True
         for _ in self._engines:
             try:
                 engine = self._idle.get(timeout=RUN_TIMEOUT_S)
@@ -229,11 +236,18 @@ class RemoteEnginePool:
         self.close()
 
 
-def _layout(parts: Sequence[Mapping[str, np.ndarray]]) -> tuple[Layout, int, int]:
-    """The buffer layout of the parts stacked along axis 0, its size and the total rows. The parts come from
-    one batcher's merge (same inputs and sample shapes); the engine process checks them against the model."""
+def _layout(signature: Signature, parts: Sequence[Mapping[str, np.ndarray]]) -> tuple[Layout, int, int]:
+    """The buffer layout of the parts stacked along axis 0, its size and the total rows, after the cheap
+    invariants an in-process engine asserts (``Signature.rows_of``; every part the first one's sample shapes)."""
+    if not parts:
+        raise EngineError("internal error: a call with no parts")
     first = parts[0]
-    rows = sum(len(next(iter(part.values()))) for part in parts)
+    key = shape_key(first)
+    rows = 0
+    for part in parts:
+        rows += signature.rows_of(part)
+        if shape_key(part) != key:
+            raise EngineError("internal error: the parts of one call differ in their sample shapes")
     shapes = {name: ((rows, *value.shape[1:]), value.dtype) for name, value in first.items()}
     layout, nbytes = layout_of(shapes)
     return layout, nbytes, rows

@@ -240,7 +240,12 @@ class HostedEngine:
         if None in ready:  # the wake-up pipe
             os.read(self._wake_read, 4096)
         for batch in group_consecutive(jobs, lambda job: shape_key(job.feeds), lambda job: job.n, self.merge_limit):
-            for job, outcome, engine_s in self._execute(batch):
+            try:
+                results = self._execute(batch)
+            except Exception as exc:  # never leave a worker waiting for a batch that will not be answered
+                log.exception("engine process: unexpected error running %s", self.label or self.key)
+                results = [(job, exc, 0.0) for job in batch]
+            for job, outcome, engine_s in results:
                 if isinstance(outcome, BaseException):
                     job.client.fail(outcome)
                 else:

@@ -6,11 +6,10 @@ import asyncio
 import socket
 
 import httpx
-import pytest
 import uvicorn
 
-from service.server.transport import GatheredWrites, GatheredWritesProtocol
 from service.server.run import uvicorn_config
+from service.server.transport import GatheredWrites, GatheredWritesProtocol
 from service.settings import ServiceSettings
 
 

@@ -1,12 +1,17 @@
-"""service.runtime.device without a GPU: finding the mapped library, binding calls, turning errors into CudaError."""
+"""service.runtime.device without a GPU: finding the mapped CUDA runtime, binding its calls, turning errors into
+CudaError, choosing the device, and the capture lock that keeps CUDA graph captures apart."""
 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import pytest
 
+from service.errors import EngineError
 from service.runtime import device as cudart
+from service.runtime.contract import EngineOptions
 
 MAPS = """\
 7f0000000000-7f0000001000 r--p 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libc.so.6
@@ -79,8 +84,104 @@ def test_a_failed_call_raises_with_cudas_text_and_clears_the_error() -> None:
 def test_no_runtime_is_none_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cudart, "loaded_library_path", lambda maps=None: None)
     monkeypatch.setattr(cudart, "_SONAMES", ("libcudart-that-does-not-exist.so.99",))
-    cudart.runtime.cache_clear()
+    cudart.cuda_runtime.cache_clear()
     try:
-        assert cudart.runtime() is None
+        assert cudart.cuda_runtime() is None
     finally:
-        cudart.runtime.cache_clear()
+        cudart.cuda_runtime.cache_clear()
+
+
+def test_device_cpu_is_taken_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_probe(device_id: int = 0) -> tuple[bool, str]:
+        raise AssertionError("device=cpu must not probe CUDA")
+
+    monkeypatch.setattr(cudart, "cuda_status", no_probe)
+    choice = cudart.resolve_device(EngineOptions(device="cpu", device_id=3))
+    assert (choice.provider, choice.device_id, choice.is_cuda) == (cudart.CPU, 3, False)
+    assert choice.reason == "device=cpu in the settings"
+
+
+@pytest.mark.parametrize(("device", "usable"), [("auto", True), ("auto", False), ("cuda", True), ("cuda", False)])
+def test_device_auto_and_cuda_follow_the_probe(monkeypatch: pytest.MonkeyPatch, device: str, usable: bool) -> None:
+    monkeypatch.setattr(cudart, "cuda_status", lambda device_id=0: (usable, "the probe's reason"))
+    options = EngineOptions(device=device)
+    if device == "cuda" and not usable:
+        with pytest.raises(EngineError, match="device=cuda but CUDA is not usable: the probe's reason"):
+            cudart.resolve_device(options)
+        return
+    choice = cudart.resolve_device(options)
+    assert choice.is_cuda is usable
+    assert choice.reason == ("the probe's reason" if usable else "CUDA not usable: the probe's reason")
+
+
+def test_cuda_provider_options_follow_the_engine_options() -> None:
+    options = EngineOptions(device_id=2, cudnn_conv_algo_search="HEURISTIC")
+    plain = cudart.cuda_provider_options(options, prefer_nhwc=True, cuda_graph=True)
+    assert plain == {"device_id": "2", "cudnn_conv_algo_search": "HEURISTIC", "prefer_nhwc": "1",
+                     "enable_cuda_graph": "1"}  # no fuse_conv_bias key unless asked for
+    fused = cudart.cuda_provider_options(options, prefer_nhwc=False, cuda_graph=False, fuse_conv_bias=True)
+    assert fused["fuse_conv_bias"] == "1" and fused["prefer_nhwc"] == "0" and fused["enable_cuda_graph"] == "0"
+
+
+# ------------------------------------------------------------------------------------- capture lock
+def test_capture_lock_keeps_captures_apart_from_shared_users() -> None:
+    lock, events = cudart.CaptureLock(), []
+    lock.acquire_shared()
+    lock.acquire_shared()  # shared users do not exclude each other
+
+    def capture() -> None:
+        lock.acquire_exclusive()
+        events.append("capture")
+        lock.release_exclusive()
+
+    def late_reader() -> None:
+        lock.acquire_shared()
+        events.append("late reader")
+        lock.release_shared()
+
+    writer = threading.Thread(target=capture)
+    writer.start()
+    time.sleep(0.05)
+    reader = threading.Thread(target=late_reader)  # arrives while a capture waits: goes after it
+    reader.start()
+    time.sleep(0.05)
+    assert events == []
+    lock.release_shared()
+    lock.release_shared()
+    writer.join(2)
+    reader.join(2)
+    assert events == ["capture", "late reader"]
+
+
+def test_a_capture_excludes_every_other_user_until_it_ends() -> None:
+    lock, events = cudart.CaptureLock(), []
+
+    def shared_user() -> None:
+        lock.acquire_shared()
+        events.append("shared")
+        lock.release_shared()
+
+    def other_capture() -> None:
+        lock.acquire_exclusive()
+        events.append("capture")
+        lock.release_exclusive()
+
+    lock.acquire_exclusive()
+    users = [threading.Thread(target=shared_user), threading.Thread(target=other_capture)]
+    for user in users:
+        user.start()
+    time.sleep(0.05)
+    assert events == []
+    lock.release_exclusive()
+    for user in users:
+        user.join(2)
+    assert sorted(events) == ["capture", "shared"]
+
+
+def test_the_cpu_provider_needs_no_lock() -> None:
+    lock = cudart.NoLock()
+    for _ in range(2):  # never blocks, in any order
+        lock.acquire_exclusive()
+        lock.acquire_shared()
+        lock.release_shared()
+        lock.release_exclusive()

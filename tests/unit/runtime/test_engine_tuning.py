@@ -13,16 +13,21 @@ import pytest
 from engine_models import conv_relu_net
 from onnx import TensorProto
 
-from service.runtime import tuner as autotune
-from service.runtime.tuner import Config, select_variant
+from service.runtime import tuner
 from service.runtime.child import ChildProcessFailed
-from service.runtime.engine import Engine
+from service.runtime.contract import EngineOptions
+from service.runtime.device import CUDA, DeviceChoice, cuda_status
+from service.runtime.engine import OrtEngine
 from service.runtime.precision import check_fp16, to_fp16
-from service.runtime.device import cuda_status
-from service.settings import EngineSettings
+from service.runtime.split_engine import SplitEngine
+from service.runtime.tuner import Config, select_variant
 
-CPU = EngineSettings(device="cpu", buckets=(1, 2, 4))
-PLAIN_CHOICES = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off", split_large_buckets=False)
+CPU = EngineOptions(device="cpu", buckets=(1, 2, 4))
+
+
+def nchw_unfused(configs: list[Config]) -> list[Config]:
+    """One layout and no conv-bias fusion: the fewest configurations (each is timed in a child process)."""
+    return [c for c in configs if c.prefer_nhwc is False and not c.fuse_conv_bias]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,7 @@ def test_to_fp16_leaves_fusedconv_in_fp32(candidates: dict[str, onnx.ModelProto]
 
 
 def test_fp16_engine_passes_check_and_reports_precision(candidates: dict[str, onnx.ModelProto]) -> None:
-    with Engine.load(candidates["plain"], CPU) as e32, Engine.load(to_fp16(candidates["plain"]), CPU) as e16:
+    with OrtEngine.load(candidates["plain"], CPU) as e32, OrtEngine.load(to_fp16(candidates["plain"]), CPU) as e16:
         assert e16.describe()["precision"] == "fp16"
         result = check_fp16(e16, e32, batch=4, trials=2)
         assert result.ok, result.reason
@@ -62,8 +67,8 @@ def test_fp16_engine_passes_check_and_reports_precision(candidates: dict[str, on
 def test_fp16_check_fails_on_a_different_function() -> None:
     """The check must be able to fail: a model with other weights is not 'within tolerance'."""
     with (
-        Engine.load(conv_relu_net(fused=False, seed=0), CPU) as ref,
-        Engine.load(to_fp16(conv_relu_net(fused=False, seed=0, scale=1.3)), CPU) as other,
+        OrtEngine.load(conv_relu_net(fused=False, seed=0), CPU) as ref,
+        OrtEngine.load(to_fp16(conv_relu_net(fused=False, seed=0, scale=1.3)), CPU) as other,
     ):
         result = check_fp16(other, ref, batch=4, trials=1)
     assert not result.ok
@@ -72,9 +77,12 @@ def test_fp16_check_fails_on_a_different_function() -> None:
 
 # ------------------------------------------------------------------------------------------- tuner
 def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelProto]) -> None:
-    auto = EngineSettings(prefer_nhwc="auto", fuse_conv_bias="auto")
-    keys = [c.key for c in autotune._configs(candidates, auto, "auto")]
-    assert keys == [  # conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv)
+    """Both layouts always, conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv),
+    fp16 only for graphs without FusedConv, and large-batch (graphless) configurations where buckets of
+    SPLIT_MIN_BUCKET or more exist."""
+    auto = EngineOptions()  # buckets up to 64
+    keys = [c.key for c in tuner._configs(candidates, auto, "auto")]
+    assert keys == [
         "plain/nhwc/fp32",
         # second, so that a short budget still times one: the likeliest large-batch engine (no CUDA graph)
         "plain/nhwc/fp16/conv-bias-fused/no-graph",
@@ -84,45 +92,43 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
         # last, the other large-batch ones: first layout only, no FusedConv, fp16 and conv-bias fusion first
         "plain/nhwc/fp16/no-graph", "plain/nhwc/fp32/conv-bias-fused/no-graph", "plain/nhwc/fp32/no-graph",
     ]
-    fp32_keys = [c.key for c in autotune._configs(candidates, auto, "fp32")]
+    fp32_keys = [c.key for c in tuner._configs(candidates, auto, "fp32")]
     assert fp32_keys[1] == "plain/nhwc/fp32/conv-bias-fused/no-graph" and fp32_keys[-1] == "plain/nhwc/fp32/no-graph"
-    no_split = auto.model_copy(update={"split_large_buckets": False})
-    assert not any("no-graph" in c.key for c in autotune._configs(candidates, no_split, "auto"))
-    small = auto.model_copy(update={"buckets": (1, 4)})  # nothing for a large-batch engine to serve
-    assert not any("no-graph" in c.key for c in autotune._configs(candidates, small, "auto"))
-    graphless = auto.model_copy(update={"cuda_graph": False})
-    assert all(not c.cuda_graph for c in autotune._configs(candidates, graphless, "fp32"))
-    forced = EngineSettings(prefer_nhwc="on", fuse_conv_bias="on", split_large_buckets=False)
-    assert [c.key for c in autotune._configs(candidates, forced, "fp32")] == [
-        "plain/nhwc/fp32/conv-bias-fused", "fused/nhwc/fp32/conv-bias-fused",
-    ]
-    fixed = EngineSettings(prefer_nhwc="off", fuse_conv_bias="off", split_large_buckets=False)
-    fp32 = [c.key for c in autotune._configs(candidates, fixed, "fp32")]
-    assert fp32 == ["plain/nchw/fp32", "fused/nchw/fp32"]
-    assert [c.key for c in autotune._configs(candidates, fixed, "fp16")] == ["plain/nchw/fp16"]
+    assert not any(c.precision == "fp16" for c in tuner._configs(candidates, auto, "fp32"))
+    fp16 = tuner._configs(candidates, auto, "fp16")
+    assert {c.variant for c in fp16} == {"plain"} and {c.precision for c in fp16} == {"fp16"}
+    small = auto.replace(buckets=(1, 4))  # nothing for a large-batch engine to serve
+    assert not any("no-graph" in c.key for c in tuner._configs(candidates, small, "auto"))
+    split_from = auto.replace(buckets=(1, tuner.SPLIT_MIN_BUCKET))
+    assert any("no-graph" in c.key for c in tuner._configs(candidates, split_from, "fp32"))
+    graphless = auto.replace(cuda_graph=False)
+    assert all(not c.cuda_graph for c in tuner._configs(candidates, graphless, "fp32"))
+    only_fused = tuner._configs({"fused": candidates["fused"]}, small, "fp16")  # no plain graph: fp16 of fused
+    assert [c.key for c in only_fused] == ["fused/nhwc/fp16", "fused/nchw/fp16"]
 
 
 def test_score_is_a_geometric_mean_over_common_batches() -> None:
-    assert autotune._score({"1": 1.0, "64": 4.0}, {"1": 2.0, "64": 2.0}) == pytest.approx(1.0)
-    assert autotune._score({"1": 1.0, "64": 4.0}, {"1": 2.0}) == pytest.approx(0.5)
+    assert tuner._score({"1": 1.0, "64": 4.0}, {"1": 2.0, "64": 2.0}) == pytest.approx(1.0)
+    assert tuner._score({"1": 1.0, "64": 4.0}, {"1": 2.0}) == pytest.approx(0.5)
 
 
 def test_cached_choice_only_reused_on_same_device_and_version(candidates: dict[str, onnx.ModelProto]) -> None:
-    configs = autotune._configs(candidates, EngineSettings(), "fp32")
+    configs = tuner._configs(candidates, EngineOptions(), "fp32")
     choice = Config("fused", False, "fp32", False).to_dict()
     good = {"choice": choice, "device": "GPU X", "ort_version": ort.__version__}
-    assert autotune._cached_config(good, "GPU X", configs) == Config("fused", False, "fp32", False)
-    assert autotune._cached_config(good, "GPU Y", configs) is None
-    assert autotune._cached_config({**good, "ort_version": "0.0"}, "GPU X", configs) is None
+    assert tuner._cached_config(good, "GPU X", configs) == Config("fused", False, "fp32", False)
+    assert tuner._cached_config(good, "GPU Y", configs) is None
+    assert tuner._cached_config({**good, "ort_version": "0.0"}, "GPU X", configs) is None
     fp16 = {**good, "choice": Config("plain", True, "fp16").to_dict()}
-    assert autotune._cached_config(fp16, "GPU X", configs) is None  # fp16 not allowed for precision fp32
-    assert autotune._cached_config({**good, "choice": {"bogus": 1}}, "GPU X", configs) is None
+    assert tuner._cached_config(fp16, "GPU X", configs) is None  # fp16 not allowed for precision fp32
+    assert tuner._cached_config({**good, "choice": {"bogus": 1}}, "GPU X", configs) is None
 
 
 def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, onnx.ModelProto]) -> None:
-    settings = CPU.model_copy(update={"buckets": (1, 4)})
-    configs = autotune._configs(candidates, settings.model_copy(update={"prefer_nhwc": "off"}), "auto")
-    engine, record = autotune._tune(candidates, settings, configs, "test-device", budget_s=30.0)
+    settings = CPU.replace(buckets=(1, 4))
+    configs = nchw_unfused(tuner._configs(candidates, settings, "auto"))
+    assert [c.key for c in configs] == ["plain/nchw/fp32", "fused/nchw/fp32", "plain/nchw/fp16"]
+    engine, record = tuner._tune(candidates, settings, configs, "test-device", budget_s=30.0)
     try:
         assert set(record["timings_ms"]) == {c.key for c in configs}
         for timing in record["timings_ms"].values():
@@ -139,8 +145,8 @@ def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, on
 
 
 def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> None:
-    configs = autotune._configs(candidates, PLAIN_CHOICES, "fp32")
-    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=0.0)
+    configs = nchw_unfused(tuner._configs(candidates, CPU, "fp32"))
+    engine, record = tuner._tune(candidates, CPU, configs, "test-device", budget_s=0.0)
     engine.close()
     assert list(record["timings_ms"]) == ["plain/nchw/fp32"]
     assert record["skipped"] == {"fused/nchw/fp32": "time budget spent"}
@@ -148,7 +154,7 @@ def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> No
 
 @pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
 def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, onnx.ModelProto]) -> None:
-    engine, record = select_variant(candidates, EngineSettings(buckets=(1, 2)), precision="auto")
+    engine, record = select_variant(candidates, EngineOptions(buckets=(1, 2)), precision="auto")
     try:
         assert engine.provider == "CPUExecutionProvider"
         assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32",
@@ -161,7 +167,7 @@ def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, 
         np.testing.assert_allclose(engine.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-5)
     finally:
         engine.close()
-    only_plain, record = select_variant({"plain": candidates["plain"]}, EngineSettings(device="cpu"))
+    only_plain, record = select_variant({"plain": candidates["plain"]}, EngineOptions(device="cpu"))
     only_plain.close()
     assert record["choice"]["variant"] == "plain"
 
@@ -177,16 +183,16 @@ def test_a_configuration_that_crashes_costs_only_its_own_timing(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each configuration is timed in its own child; one whose child dies is skipped with the reason."""
-    real = autotune.run_in_child
+    real = tuner.run_in_child
 
     def crash_fp16(fn, args, *, timeout_s):
         if args[2]["precision"] == "fp16":
             raise ChildProcessFailed("the child process died (exit code -11)")
         return real(fn, args, timeout_s=timeout_s)
 
-    monkeypatch.setattr(autotune, "run_in_child", crash_fp16)
-    configs = autotune._configs(candidates, PLAIN_CHOICES, "auto")
-    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
+    monkeypatch.setattr(tuner, "run_in_child", crash_fp16)
+    configs = nchw_unfused(tuner._configs(candidates, CPU, "auto"))
+    engine, record = tuner._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     engine.close()
     assert record["skipped"] == {"plain/nchw/fp16": "ChildProcessFailed: the child process died (exit code -11)"}
     assert set(record["timings_ms"]) == {c.key for c in configs if c.precision == "fp32"}
@@ -206,12 +212,12 @@ def test_after_a_gpu_fault_in_a_graph_the_other_graphs_of_that_precision_are_not
             raise ChildProcessFailed("RuntimeError: CUDA failure 700: an illegal memory access (cuda_graph.cc)")
         return {"timing": {"1": 1.0, "64": 2.0}}
 
-    monkeypatch.setattr(autotune, "run_in_child", fake_child)
-    settings = EngineSettings(buckets=(1, 8, 64))
-    configs = autotune._configs(candidates, settings, "auto")
+    monkeypatch.setattr(tuner, "run_in_child", fake_child)
+    settings = EngineOptions(buckets=(1, 8, 64))
+    configs = tuner._configs(candidates, settings, "auto")
     graph_fp16 = [c.key for c in configs if c.cuda_graph and c.precision == "fp16"]
     assert len(graph_fp16) >= 2
-    results = autotune._time_configs(candidates, settings, configs, budget_s=60.0)
+    results = tuner._time_configs(candidates, settings, configs, budget_s=60.0)
     assert [k for k in ran if k in graph_fp16] == graph_fp16[:1]
     assert all("faulted the GPU" in results.skipped[k] for k in graph_fp16[1:])
     graphless = [c.key for c in configs if not c.cuda_graph]
@@ -228,8 +234,8 @@ def test_after_a_gpu_fault_in_a_graph_the_other_graphs_of_that_precision_are_not
             raise ChildProcessFailed("timed out after 10 s")
         return {"timing": {"1": 1.0, "64": 2.0}}
 
-    monkeypatch.setattr(autotune, "run_in_child", timing_out)
-    results = autotune._time_configs(candidates, settings, configs, budget_s=60.0)
+    monkeypatch.setattr(tuner, "run_in_child", timing_out)
+    results = tuner._time_configs(candidates, settings, configs, budget_s=60.0)
     assert graph_fp16[1] in results.timings
 
 
@@ -239,57 +245,27 @@ def test_when_nothing_can_be_timed_the_first_configuration_is_served_in_fp32(
     def always_crash(fn, args, *, timeout_s):
         raise ChildProcessFailed("timed out after 1 s")
 
-    monkeypatch.setattr(autotune, "run_in_child", always_crash)
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp16")
-    engine, record = autotune._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
+    monkeypatch.setattr(tuner, "run_in_child", always_crash)
+    configs = tuner._configs(candidates, CPU, "fp16")
+    assert configs[0].key == "plain/nhwc/fp16"
+    engine, record = tuner._tune(candidates, CPU, configs, "test-device", budget_s=30.0)
     try:
-        assert record["choice"] == {"variant": "plain", "prefer_nhwc": False, "precision": "fp32",
+        assert record["choice"] == {"variant": "plain", "prefer_nhwc": True, "precision": "fp32",
                                     "fuse_conv_bias": False, "cuda_graph": True}
         assert "no configuration could be timed" in record["reason"]
+        assert set(record["skipped"]) == {c.key for c in configs}
         assert engine.describe()["precision"] == "fp32"
     finally:
         engine.close()
 
 
-def test_cuda_options_ask_for_conv_bias_fusion_only_when_set() -> None:
-    from service.runtime.device import cuda_provider_options
-
-    plain = cuda_provider_options(EngineSettings(), prefer_nhwc=True, cuda_graph=True)
-    assert "fuse_conv_bias" not in plain
-    assert plain["prefer_nhwc"] == "1" and plain["enable_cuda_graph"] == "1"
-    fused = cuda_provider_options(EngineSettings(), prefer_nhwc=False, cuda_graph=False, fuse_conv_bias=True)
-    assert fused["fuse_conv_bias"] == "1" and fused["prefer_nhwc"] == "0"
-
-
-def test_fuse_conv_bias_setting_accepts_its_old_boolean_form_and_resolves_auto_to_off() -> None:
-    from service.runtime.engine import _resolve_fuse_conv_bias
-
-    assert EngineSettings(fuse_conv_bias=True).fuse_conv_bias == "on"
-    assert EngineSettings(fuse_conv_bias="false").fuse_conv_bias == "off"
-    with pytest.raises(ValueError, match="fuse_conv_bias"):
-        EngineSettings(fuse_conv_bias="sometimes")
-    assert _resolve_fuse_conv_bias(EngineSettings(), None) is False  # auto without the tuner: off
-    assert _resolve_fuse_conv_bias(EngineSettings(fuse_conv_bias="on"), None) is True
-    assert _resolve_fuse_conv_bias(EngineSettings(fuse_conv_bias="on"), False) is False  # the tuner's word wins
-
-
 def test_a_record_from_before_conv_bias_tuning_is_timed_again(candidates: dict[str, onnx.ModelProto]) -> None:
-    configs = autotune._configs(candidates, EngineSettings(prefer_nhwc="off"), "fp32")
+    configs = tuner._configs(candidates, EngineOptions(), "fp32")
     old = {"choice": {"variant": "plain", "prefer_nhwc": False, "precision": "fp32"},
            "device": "GPU X", "ort_version": ort.__version__}
-    assert autotune._cached_config(old, "GPU X", configs) is None
+    assert tuner._cached_config(old, "GPU X", configs) is None
     new = {**old, "choice": Config("plain", False, "fp32", True).to_dict()}
-    assert autotune._cached_config(new, "GPU X", configs) == Config("plain", False, "fp32", True)
-
-
-def test_cpu_sessions_spin_unless_told_not_to() -> None:
-    from service.runtime.engine import _cpu_session_options
-
-    with pytest.raises(RuntimeError, match="allow_spinning"):  # not set: ORT's default (spinning)
-        _cpu_session_options(EngineSettings()).get_session_config_entry("session.intra_op.allow_spinning")
-    quiet = _cpu_session_options(EngineSettings(cpu_spinning=False, intra_op_threads=2))
-    assert quiet.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    assert quiet.intra_op_num_threads == 2
+    assert tuner._cached_config(new, "GPU X", configs) == Config("plain", False, "fp32", True)
 
 
 def test_large_batch_configurations_are_always_timed_at_the_largest_bucket(
@@ -303,10 +279,69 @@ def test_large_batch_configurations_are_always_timed_at_the_largest_bucket(
         asked[Config(**args[2]).key] = args[3]
         return {"timing": {"1": 1.0, "64": 2.0} if args[3] else {"1": 1.0}}
 
-    monkeypatch.setattr(autotune, "run_in_child", fake_child)
-    settings = EngineSettings(buckets=(1, 8, 64))
-    configs = autotune._configs(candidates, settings, "auto")
-    autotune._time_configs(candidates, settings, configs, budget_s=2.0)  # under 2.5 s: graphs get batch 1 only
+    monkeypatch.setattr(tuner, "run_in_child", fake_child)
+    settings = EngineOptions(buckets=(1, 8, 64))
+    configs = tuner._configs(candidates, settings, "auto")
+    tuner._time_configs(candidates, settings, configs, budget_s=2.0)  # under 2.5 s: graphs get batch 1 only
     graphless = {c.key for c in configs if not c.cuda_graph}
     assert graphless and all(asked[k] for k in graphless)
     assert not any(asked[c.key] for c in configs if c.cuda_graph)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], float]]:
+    """select_variant believes it runs on a GPU called "GPU X"; ``_tune`` records what it was asked to time
+    (the engines still load on the CPU: ``OrtEngine.load`` resolves the device itself)."""
+    asked: list[tuple[list[str], float]] = []
+
+    def fake_tune(cands, settings, configs, device, budget_s):
+        asked.append(([c.key for c in configs], budget_s))
+        return tuner._load(cands, configs[0], settings), {"choice": configs[0].to_dict(), "device": device}
+
+    monkeypatch.setattr(tuner, "resolve_device", lambda options: DeviceChoice(CUDA, 0, "a fake GPU"))
+    monkeypatch.setattr(tuner, "gpu_name", lambda device_id=0: "GPU X")
+    monkeypatch.setattr(tuner, "_tune", fake_tune)
+    return asked
+
+
+def test_a_zero_tuning_budget_times_only_the_first_configuration(
+    candidates: dict[str, onnx.ModelProto], fake_gpu: list[tuple[list[str], float]]
+) -> None:
+    """tune_budget_s 0: the first configuration alone, still loaded in a child before this process serves
+    it; an explicit budget_s wins over the options'."""
+    options = CPU.replace(tune_budget_s=0.0)
+    engine, record = select_variant(candidates, options, precision="fp32")
+    engine.close()
+    assert fake_gpu == [(["plain/nhwc/fp32"], 0.0)] and record["device"] == "GPU X"
+    engine, _ = select_variant(candidates, options, precision="fp32", budget_s=5.0)
+    engine.close()
+    assert fake_gpu[1] == ([c.key for c in tuner._configs(candidates, options, "fp32")], 5.0)
+
+
+def test_a_cached_choice_is_served_untimed_with_its_split(
+    candidates: dict[str, onnx.ModelProto], fake_gpu: list[tuple[list[str], float]]
+) -> None:
+    options = EngineOptions(device="cpu", buckets=(1, 8, 16))
+    large = Config("plain", True, "fp16", True, cuda_graph=False)
+    cached = {"choice": Config("fused", False, "fp32", False).to_dict(), "device": "GPU X",
+              "ort_version": ort.__version__, "split": {"choice": large.to_dict(), "buckets": [16]}}
+    engine, record = select_variant(candidates, options, precision="auto", cached_choice=cached)
+    try:
+        assert fake_gpu == []  # nothing timed
+        assert record["reused"] is True and record["choice"] == cached["choice"]
+        assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)
+        assert engine.primary.variant == "fused/nchw/fp32" and engine.large.variant == large.key
+        assert engine.large.describe()["precision"] == "fp16"
+    finally:
+        engine.close()
+    elsewhere = {**cached, "device": "GPU Y"}  # another GPU: timed again
+    engine, record = select_variant(candidates, options, precision="auto", cached_choice=elsewhere)
+    engine.close()
+    assert len(fake_gpu) == 1 and "reused" not in record
+
+
+def test_time_calls_warms_up_then_times_at_least_five_calls() -> None:
+    calls: list[int] = []
+    times = tuner.time_calls(lambda: calls.append(1), runs=100, max_s=0.0, warmup=2)
+    assert len(times) == 5 and len(calls) == 7 and all(t >= 0 for t in times)
+    assert len(tuner.time_calls(lambda: None, runs=8, max_s=10.0, warmup=0)) == 8

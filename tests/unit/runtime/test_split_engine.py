@@ -14,13 +14,13 @@ import onnxruntime as ort
 import pytest
 from engine_models import conv_relu_net
 
-from service.runtime import tuner as autotune
-from service.runtime.tuner import Config
-from service.runtime.engine import Engine
+from service.runtime import tuner
+from service.runtime.contract import EngineOptions
+from service.runtime.engine import OrtEngine
 from service.runtime.split_engine import SplitEngine
-from service.settings import EngineSettings
+from service.runtime.tuner import Config
 
-CPU = EngineSettings(device="cpu", buckets=(1, 2, 4, 8, 16))
+CPU = EngineOptions(device="cpu", buckets=(1, 2, 4, 8, 16))
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def candidates() -> dict[str, onnx.ModelProto]:
 
 @pytest.fixture
 def split(candidates: dict[str, onnx.ModelProto]) -> Iterator[tuple[SplitEngine, list[str]]]:
-    primary = Engine.load(candidates["plain"], CPU, variant="primary")
-    large = Engine.load(candidates["fused"], CPU.model_copy(update={"buckets": (8, 16)}), variant="large")
+    primary = OrtEngine.load(candidates["plain"], CPU, variant="primary")
+    large = OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8, 16)), variant="large")
     calls: list[str] = []
     for engine in (primary, large):
         real_run, real_parts = engine.run, engine.run_parts
@@ -83,40 +83,76 @@ def test_describe_names_both_engines_and_close_closes_both(split: tuple[SplitEng
 
 
 def test_a_split_needs_the_large_engine_to_hold_its_buckets(candidates: dict[str, onnx.ModelProto]) -> None:
-    with (Engine.load(candidates["plain"], CPU) as primary,
-          Engine.load(candidates["fused"], CPU.model_copy(update={"buckets": (8,)})) as large):
+    with (OrtEngine.load(candidates["plain"], CPU) as primary,
+          OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8,))) as large):
         with pytest.raises(ValueError, match="missing \\[16\\]"):
             SplitEngine(primary, large, [16])
         with pytest.raises(ValueError, match="missing"):
             SplitEngine(primary, large, [])
 
 
+def test_a_split_needs_one_signature_and_a_primary_holding_every_bucket(
+    candidates: dict[str, onnx.ModelProto]
+) -> None:
+    other_size = conv_relu_net(fused=True, size=16)  # takes [N, 3, 16, 16]
+    with (OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 8))) as primary,
+          OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8, 16))) as large,
+          OrtEngine.load(other_size, CPU.replace(buckets=(8, 16))) as other):
+        with pytest.raises(ValueError, match="primary engine must hold every bucket"):
+            SplitEngine(primary, large, [16])
+        with pytest.raises(ValueError, match="same inputs"):
+            SplitEngine(primary, other, [8])
+
+
+def test_the_engine_that_ran_answers_for_its_time_and_the_primary_for_page_locks(
+    split: tuple[SplitEngine, list[str]]
+) -> None:
+    engine, _ = split
+    assert engine.signature == engine.primary.signature and engine.max_concurrent_calls == 1
+    engine.run({"x": batch(16)})
+    assert engine.last_engine_seconds() == engine.large.last_engine_seconds() is not None
+    engine.run({"x": batch(2)})
+    assert engine.last_engine_seconds() == engine.primary.last_engine_seconds() != engine.large.last_engine_seconds()
+    assert engine.page_locker() is engine.primary.page_locker()  # None here: the CPU copies through ORT
+    assert engine.host_to_device == engine.primary.host_to_device
+    engine.prepare_thread()  # both engines (a no-op without CUDA graphs)
+    timed: list[tuple[str, str, int]] = []  # what the tuner's time_batch reaches: the bucket's owner
+    for part in (engine.primary, engine.large):
+        for name in ("fill", "replay"):
+            real = getattr(part, name)
+            setattr(part, name, lambda n, p=part, f=name, r=real: (timed.append((p.variant, f, n)), r(n))[1])
+    engine.fill(16)
+    engine.replay(16)
+    engine.replay(3)
+    assert timed == [("large", "fill", 16), ("large", "replay", 16), ("primary", "replay", 3)]
+
+
 # ------------------------------------------------------------------------------------------- tuner
-def results_with(timings: dict[str, dict[str, float]]) -> autotune._Results:
-    results = autotune._Results()
+def results_with(timings: dict[str, dict[str, float]]) -> tuner._Results:
+    results = tuner._Results()
     results.timings.update(timings)
     return results
 
 
 def test_large_batch_candidate_only_when_it_beats_the_primary_at_the_largest_bucket() -> None:
-    settings = EngineSettings(buckets=(1, 8, 64))
+    settings = EngineOptions(buckets=(1, 8, 64))
     primary, other = Config("plain", True, "fp32", False), Config("plain", True, "fp16", True, cuda_graph=False)
     configs = [primary, other]
     fast = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1, "64": 1.9}})
-    assert autotune._large_batch_candidate(fast, configs, primary, settings) == other
+    assert tuner._large_batch_candidate(fast, configs, primary, settings) == other
     close = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1, "64": 3.1}})
-    assert autotune._large_batch_candidate(close, configs, primary, settings) is None  # under 5 % faster
+    assert tuner._large_batch_candidate(close, configs, primary, settings) is None  # under 5 % faster
     # the primary not timed at 64 (short budget): the candidate goes to _split, whose own timings decide
     primary_untimed = results_with({primary.key: {"1": 0.5}, other.key: {"1": 1.1, "64": 1.9}})
-    assert autotune._large_batch_candidate(primary_untimed, configs, primary, settings) == other
+    assert tuner._large_batch_candidate(primary_untimed, configs, primary, settings) == other
     other_untimed = results_with({primary.key: {"1": 0.5, "64": 3.2}, other.key: {"1": 1.1}})
-    assert autotune._large_batch_candidate(other_untimed, configs, primary, settings) is None
-    off = settings.model_copy(update={"split_large_buckets": False})
-    assert autotune._large_batch_candidate(fast, configs, primary, off) is None
+    assert tuner._large_batch_candidate(other_untimed, configs, primary, settings) is None
+    small = EngineOptions(buckets=(1, 4))  # no bucket of SPLIT_MIN_BUCKET or more: nothing to split off
+    assert tuner._large_batch_candidate(fast, configs, primary, small) is None
     graph = Config("fused", True, "fp32", False)  # faster at 64 too, but a graph session: never a candidate
     both = results_with({primary.key: {"1": 0.5, "64": 3.2}, graph.key: {"1": 0.6, "64": 1.0},
                          other.key: {"1": 1.1, "64": 1.9}})
-    assert autotune._large_batch_candidate(both, [primary, graph, other], primary, settings) == other
+    assert tuner._large_batch_candidate(both, [primary, graph, other], primary, settings) == other
 
 
 def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
@@ -125,31 +161,31 @@ def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
     """Timings are made up (on CPU both configurations run alike); the decision and the record are real."""
     made_up = {("plain", 8): 1.0, ("plain", 16): 2.0, ("fused", 8): 0.99, ("fused", 16): 1.0}
 
-    def fake_time_batch(self: Engine, size: int, **_: object) -> float:
-        return made_up[(self.variant.split("/")[0], size)]
+    def fake_time_batch(engine: OrtEngine, size: int, **_: object) -> float:
+        return made_up[(engine.variant.split("/")[0], size)]
 
-    monkeypatch.setattr(Engine, "time_batch", fake_time_batch)
-    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    monkeypatch.setattr(tuner, "time_batch", fake_time_batch)
+    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
     large = Config("fused", True, "fp32", False, cuda_graph=False)
-    engine, record = autotune._split(primary, candidates, large, CPU)
+    engine, record = tuner._split(primary, candidates, large, CPU)
     try:
         assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)  # 8: only 1 % faster
         assert record["choice"] == large.to_dict() and record["buckets"] == [16]
         assert record["timings_ms"]["16"] == {"primary": 2.0, "large": 1.0}
         configs = [Config("plain", True, "fp32", False), large]
-        rebuilt = autotune._with_cached_split(Engine.load(candidates["plain"], CPU), candidates, CPU, configs,
+        rebuilt = tuner._with_cached_split(OrtEngine.load(candidates["plain"], CPU), candidates, CPU, configs,
                                               {"split": record})
         assert isinstance(rebuilt, SplitEngine) and rebuilt.large_buckets == (16,)
         rebuilt.close()
-        stale = autotune._with_cached_split(Engine.load(candidates["plain"], CPU), candidates, CPU, configs[:1],
+        stale = tuner._with_cached_split(OrtEngine.load(candidates["plain"], CPU), candidates, CPU, configs[:1],
                                             {"split": record})  # its large configuration is not allowed now
-        assert isinstance(stale, Engine)
+        assert isinstance(stale, OrtEngine)
         stale.close()
     finally:
         engine.close()
     made_up[("fused", 16)] = 1.95  # nowhere 5 % faster: the large engine is closed, the primary serves alone
-    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
-    engine, record = autotune._split(primary, candidates, large, CPU)
+    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    engine, record = tuner._split(primary, candidates, large, CPU)
     assert engine is primary and record["buckets"] == []
     engine.close()
 
@@ -157,16 +193,16 @@ def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
 def test_a_large_engine_that_fails_to_load_costs_the_split_only(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_load = autotune._load
+    real_load = tuner._load
 
     def failing_load(cands, config, settings):
         if not config.cuda_graph:
             raise RuntimeError("CUDA failure 700: an illegal memory access was encountered")
         return real_load(cands, config, settings)
 
-    monkeypatch.setattr(autotune, "_load", failing_load)
-    primary = Engine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
-    engine, record = autotune._split(primary, candidates, Config("fused", True, "fp32", False, cuda_graph=False), CPU)
+    monkeypatch.setattr(tuner, "_load", failing_load)
+    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
+    engine, record = tuner._split(primary, candidates, Config("fused", True, "fp32", False, cuda_graph=False), CPU)
     try:
         assert engine is primary and record["buckets"] == [] and "illegal memory access" in record["error"]
         assert engine.run({"x": batch(16)})["y"].shape == (16, 10)  # the primary still serves every bucket
