@@ -201,15 +201,18 @@ class Payload:
     output_count: int  # output values per sample
 
 
+_DATATYPES = {"<f4": "FP32", "<f2": "FP16", "|u1": "UINT8"}
+
+
 def binary_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
-    """KServe V2 binary extension: JSON header + raw float32 input; binary output requested. A sample
-    with a leading dimension of N > 1 makes the series ``binary_bN``: each request carries N samples."""
+    """KServe V2 binary extension: JSON header + raw input (float32, float16 or uint8); binary output requested.
+    A sample with a leading dimension of N > 1 makes the series ``binary_bN``: each request carries N samples."""
     header = {
         "inputs": [
             {
                 "name": input_name,
                 "shape": list(sample.shape),
-                "datatype": "FP32",
+                "datatype": _DATATYPES[sample.dtype.str],
                 "parameters": {"binary_data_size": sample.nbytes},
             }
         ],

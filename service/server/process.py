@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Callable
 
@@ -35,8 +37,11 @@ BODY_BUFFER_BYTES = 16 << 20
 
 
 def configure_process(settings: ServiceSettings) -> None:
-    """Logging, the GIL switch interval, the heap thresholds and uvicorn's body buffer of a server process."""
+    """Logging, the GIL switch interval, the heap thresholds and uvicorn's body buffer of a server process,
+    and SIGUSR1 writing every thread's stack to stderr (``kill -USR1 PID``: where a stuck server is)."""
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     keep_freed_memory(HEAP_KEEP_MB)
     set_body_buffer(BODY_BUFFER_BYTES)
