@@ -11,6 +11,7 @@ each occurs (checked against the zoo model in the tests).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -40,6 +41,11 @@ class DwSpec:
         return (p, p, p, p)
 
     @property
+    def out_hw(self) -> tuple[int, int]:
+        p = self.pads[0]
+        return tuple((size + 2 * p - self.kernel) // self.stride + 1 for size in (self.height, self.width))
+
+    @property
     def label(self) -> str:
         return f"dw c{self.channels} {self.height}x{self.width} k{self.kernel} s{self.stride} {self.activation}"
 
@@ -52,8 +58,8 @@ class SeSpec:
     height: int
     width: int
     reduced: int
-    alpha: float = 1.0 / 6.0
-    beta: float = 0.5
+    alpha: float = dataclasses.field(default=1.0 / 6.0, compare=False)  # a spec is its shape
+    beta: float = dataclasses.field(default=0.5, compare=False)
 
     @property
     def label(self) -> str:
@@ -128,7 +134,8 @@ def dwconv_model(spec: DwSpec, *, batch: int | str = "N", copies: int = 1, fused
             if spec.activation != "None":
                 nodes.append(helper.make_node(spec.activation, [conv_out], [out], name=f"act{i}"))
         outputs.append(out)
-    return _model(nodes, inits, [batch, spec.channels, spec.height, spec.width], outputs, fused, "dwconv_act")
+    x_shape = [batch, spec.channels, spec.height, spec.width]
+    return _model(nodes, inits, x_shape, [batch, spec.channels, *spec.out_hw], outputs, fused, "dwconv_act")
 
 
 def se_model(spec: SeSpec, *, batch: int | str = "N", copies: int = 1, fused: bool = False,
@@ -154,15 +161,17 @@ def se_model(spec: SeSpec, *, batch: int | str = "N", copies: int = 1, fused: bo
                 helper.make_node("Mul", ["x", f"s{i}"], [out], name=f"scale{i}"),
             ]
         outputs.append(out)
-    return _model(nodes, inits, [batch, spec.channels, spec.height, spec.width], outputs, fused, "squeeze_excite")
+    x_shape = [batch, spec.channels, spec.height, spec.width]
+    return _model(nodes, inits, x_shape, x_shape, outputs, fused, "squeeze_excite")
 
 
-def _model(nodes: list, inits: list, x_shape: list, outputs: list[str], fused: bool, name: str) -> onnx.ModelProto:
+def _model(nodes: list, inits: list, x_shape: list, y_shape: list, outputs: list[str], fused: bool,
+           name: str) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None) for out in outputs],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, y_shape) for out in outputs],
         inits,
     )
     opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(DOMAIN, 1)] if fused else [])
@@ -173,3 +182,33 @@ def _model(nodes: list, inits: list, x_shape: list, outputs: list[str], fused: b
 
 def model_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def fused_specs(model: onnx.ModelProto) -> collections.Counter:
+    """How often each DwSpec / SeSpec occurs as an ai.onnxcnn node of ``model`` (shapes from value_info).
+
+    Raises ValueError for a fused node whose input shape the model does not record.
+    """
+    shapes = {
+        info.name: [d.dim_value if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim]
+        for info in (*model.graph.value_info, *model.graph.input)
+    }
+    weights = {t.name: t.dims for t in model.graph.initializer}
+    found: collections.Counter = collections.Counter()
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        shape = shapes.get(node.input[0])
+        if shape is None or len(shape) != 4 or None in shape[1:]:
+            raise ValueError(f"{node.name}: the model records no static shape for its input {node.input[0]}")
+        _, c, h, w = shape
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "DepthwiseConvAct":
+            kernel, pad = int(weights[node.input[1]][2]), int(attrs["pads"][0])
+            activation = attrs.get("activation", b"None").decode()
+            stride = int(attrs["strides"][0])
+            found[DwSpec(c, h, w, kernel, stride, activation, pad=None if pad == kernel // 2 else pad)] += 1
+        else:
+            reduced = int(weights[node.input[1]][0])
+            found[SeSpec(c, h, w, reduced, float(attrs.get("alpha", 0.2)), float(attrs.get("beta", 0.5)))] += 1
+    return found
