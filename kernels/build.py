@@ -65,16 +65,18 @@ def find_nvcc(
     which: Callable[[str], str | None] = shutil.which,
 ) -> Path | None:
     """The nvcc to use (see the module docstring for the order), or None."""
+    if explicit:
+        if not (Path(explicit).is_file() and os.access(explicit, os.X_OK)):
+            raise BuildError(f"--nvcc {explicit} is not an executable file")
+        return Path(explicit)
     environ = os.environ if environ is None else environ
-    candidates = [explicit, environ.get("NVCC"), which("nvcc")]
+    candidates = [environ.get("NVCC"), which("nvcc")]
     if environ.get("CUDA_HOME"):
         candidates.append(str(Path(environ["CUDA_HOME"]) / "bin" / "nvcc"))
     candidates.append(_pip_nvcc())
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
-    if explicit:
-        raise BuildError(f"--nvcc {explicit} is not an executable file")
     return None
 
 
