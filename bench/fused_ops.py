@@ -8,11 +8,14 @@ Plumbing check without a GPU (CPU provider, CPU kernels, a few samples; timings 
 
 Phases (the orchestrator, this process, never touches CUDA; each phase runs in processes of its own,
 see bench/fused_ops_workers.py for why):
-1. build   ``kernels.build.build(force=True)`` with the machine's nvcc: sm_90 + compute_90 PTX.
+1. build   ``kernels.build.build(force=True)`` with the machine's nvcc: sm_90 + compute_90 PTX, and the
+           selftest binary (kernels/src/selftest.cu).
 2. check   every fused op (odd shapes at batch 1 and 3, MobileNetV3-Large's at 1 and 8) against the numpy
            reference and against ONNX Runtime's own CUDA kernels of the unfused subgraph (TF32 off), with
            the rule of kernels.reference (|diff| <= 1e-5 + 1e-4 |want|); and its CUDA-graph replay
            against a plain run, again after new inputs. The rewrite itself comes from the optimizer pass.
+   selftest the CUDA kernels alone (no ORT) against the CPU kernels, plain and in CUDA graphs, and their
+           GPU time per op inside a CUDA graph (CUDA events): the kernel cost without ORT.
 3. model   the zoo MobileNetV3-Large (2019-style hard-swish, random weights) optimized as the kernel
            census does, at batch 1 and 8, CUDA graphs + IO binding + EXHAUSTIVE search, one process per
            variant: unfused NHWC (what the engine serves today), unfused NCHW, fused NCHW, fused NCHW with
@@ -22,8 +25,9 @@ see bench/fused_ops_workers.py for why):
 4. ops     each MobileNetV3 fused op against the ORT kernels it replaces, in CUDA graphs: K independent
            copies per run (so a run's own overhead is shared), the same A/B rounds; per-op time = median
            run / K. From these, the saving the model should see (count x saving per op).
-5. sanitize compute-sanitizer memcheck, racecheck and initcheck on a short run of the fused ops on exact
-           cudaMalloc buffers, plain and in a CUDA graph; any reported error fails the run.
+5. sanitize compute-sanitizer memcheck, racecheck and initcheck on the selftest (exact cudaMalloc buffers,
+           the SE scratch too), and memcheck on the fused ops inside ORT (inputs and outputs on exact
+           buffers, plain and in a CUDA graph); any reported error fails the run.
 Prints tables (the model last) and writes bench/results/fused-ops-<date>.json. Exit status: 0 all good,
 1 a mismatch, a sanitizer error or a failed phase (each named on a FAILED line), 2 setup trouble (no
 CUDA, no nvcc, no headers). A phase skipped for lack of time counts as failed.
@@ -61,8 +65,9 @@ BATCHES = (1, 8)
 MODEL_REL_L2_TF32 = 1e-2  # timed sessions: TF32 convolutions on both sides (as tests/gpu)
 MODEL_REL_L2_EXACT = 1e-3  # TF32 off against ORT's CPU provider, 60 layers of float32
 SANITIZERS = ("memcheck", "racecheck", "initcheck")
+PHASES = ("build", "check", "selftest", "model", "ops", "sanitize")
 # Budget of each phase in seconds (a phase gets at most what is left of the deadline).
-BUDGETS = {"build": 150, "check": 150, "model": 170, "ops": 130, "sanitize": 100}
+BUDGETS = {"build": 150, "check": 150, "selftest": 60, "model": 170, "ops": 130, "sanitize": 100}
 # From the kernel census (bench/results/kernel-census-2026-12-01-h200-bias-sink.json) and the issue: what the
 # fused ops remove per MobileNetV3 inference at batch 1.
 CENSUS = {"kernels": 192, "kernel_us": 427.7, "dw_kernels_before": 3, "dw_kernels_after": 1,
@@ -109,7 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="result file (default bench/results/fused-ops-<date>.json)")
     parser.add_argument("--deadline-s", type=float, default=330.0, help="stop starting phases after this")
-    parser.add_argument("--phases", type=_phases, default=("build", "check", "model", "ops", "sanitize"))
+    parser.add_argument("--phases", type=_phases, default=PHASES)
     parser.add_argument("--sanitizers", type=_sanitizers, default=SANITIZERS)
     parser.add_argument("--rounds", type=int, default=8, help="A/B rounds (model phase)")
     parser.add_argument("--samples", type=int, default=100, help="timed runs per variant per round (model)")
@@ -137,7 +142,7 @@ def _choices(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 def _phases(text: str) -> tuple[str, ...]:
-    return _choices(text, ("build", "check", "model", "ops", "sanitize"), "--phases")
+    return _choices(text, PHASES, "--phases")
 
 
 def _sanitizers(text: str) -> tuple[str, ...]:
@@ -391,6 +396,7 @@ class Run:
     work: Path
     deadline: Deadline
     library: str | None = None
+    selftest: str | None = None
     payload: dict[str, Any] = dataclasses.field(default_factory=dict)
     failures: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -420,6 +426,8 @@ def phase_build(run: Run) -> bool:
     from service.runtime.fused_ops import build_info
 
     run.library = str(result.path)
+    if run.cuda:
+        run.selftest = str(build.build_selftest(force=True))
     run.payload["build"] = {
         "seconds": round(time.monotonic() - started, 1),
         "command": [Path(result.command[0]).name, *(a.replace(str(ROOT), ".") for a in result.command[1:])],
@@ -449,6 +457,7 @@ def phase_check(run: Run) -> None:
 
 
 def phase_sanitize(run: Run) -> None:
+    """Each tool on the selftest (exact buffers, scratch included; no ORT), and memcheck on the fused ops in ORT."""
     if not run.cuda:
         run.payload["sanitize"] = {"skipped": "dry run (no GPU)"}
         return
@@ -457,34 +466,76 @@ def phase_sanitize(run: Run) -> None:
         run.failures.append("sanitize: compute-sanitizer not found (PATH, next to nvcc)")
         run.payload["sanitize"] = {"error": "compute-sanitizer not found"}
         return
+    targets = [("selftest", tool) for tool in run.args.sanitizers if run.selftest]
+    targets += [("ort", "memcheck")] if "memcheck" in run.args.sanitizers else []
     results = {}
-    for tool in run.args.sanitizers:
+    for target, tool in targets:
         budget = run.deadline.budget("sanitize", minimum=30.0)
         if budget is None:
-            run.failures.append(f"sanitize {tool}: not run, the deadline left too little time")
-            results[tool] = {"skipped": "deadline"}
+            run.failures.append(f"sanitize {target} {tool}: not run, the deadline left too little time")
+            results[f"{target}-{tool}"] = {"skipped": "deadline"}
             continue
-        results[tool] = sanitize_with(run, sanitizer, tool, budget)
+        results[f"{target}-{tool}"] = sanitize_with(run, sanitizer, target, tool, budget)
     run.payload["sanitize"] = results
 
 
-def sanitize_with(run: Run, sanitizer: str, tool: str, budget: float) -> dict[str, Any]:
-    result_file = run.work / f"sanitize-{tool}.json"
+def sanitize_with(run: Run, sanitizer: str, target: str, tool: str, budget: float) -> dict[str, Any]:
+    result_file = run.work / f"sanitize-{target}-{tool}.json"
     command = [sanitizer, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20"]
     command += ["--leak-check", "no"] if tool == "memcheck" else []
-    command += [sys.executable, str(WORKERS), "sanitize", "--library", run.library, "--result", str(result_file)]
+    if target == "selftest":
+        command += [run.selftest, "--quick"]
+    else:
+        command += [sys.executable, str(WORKERS), "sanitize", "--library", run.library, "--result", str(result_file)]
     started = time.monotonic()
     rc, output = run_subprocess(command, budget)
     errors = sanitizer_errors(output)
-    worker = _read_json(result_file)
+    worker = _read_json(result_file) if target == "ort" else {"failures": [], "rows": None}
     record = {"rc": rc, "errors": errors, "seconds": round(time.monotonic() - started, 1),
               "output_tail": output[-2500:], "rows": (worker or {}).get("rows")}
     if errors is None or errors > 0 or rc != 0 or worker is None:
-        run.failures.append(f"sanitize {tool}: {errors if errors is not None else 'no'} error(s) reported, exit {rc}"
-                            f"{'' if worker else ', the worker left no result'}: {_last_lines(output, 4)}")
+        run.failures.append(f"sanitize {target} {tool}: {errors if errors is not None else 'no'} error(s) reported, "
+                            f"exit {rc}{'' if worker else ', the worker left no result'}: {_last_lines(output, 4)}")
     if worker is not None:
         run.failures += worker["failures"]
     return record
+
+
+SELFTEST_LINE = re.compile(r"^(?P<op>.+?)\s+b(?P<batch>\d+)\s+ratio\s+(?P<ratio>\S+)\s+(?P<ok>ok|FAIL)\s+"
+                           r"(?P<us>\S+) us$")
+
+
+def parse_selftest(output: str) -> list[dict[str, Any]]:
+    """The selftest's case lines: op, batch, tolerance ratio, ok, GPU us per op in a CUDA graph (None: untimed)."""
+    rows = []
+    for line in output.splitlines():
+        found = SELFTEST_LINE.match(line.strip())
+        if found:
+            us = float(found["us"])
+            rows.append({"op": found["op"], "batch": int(found["batch"]), "ratio": float(found["ratio"]),
+                         "ok": found["ok"] == "ok", "gpu_us": None if us != us else us})  # NaN: not timed
+    return rows
+
+
+def phase_selftest(run: Run) -> None:
+    """The CUDA kernels alone against the CPU kernels, and their GPU time per op inside CUDA graphs."""
+    if not run.cuda:
+        run.payload["selftest"] = {"skipped": "dry run (no GPU)"}
+        return None
+    budget = run.deadline.budget("selftest", minimum=10.0)
+    if budget is None:
+        return run.skip("selftest")
+    if run.selftest is None:
+        run.failures.append("selftest: no selftest binary was built")
+        return None
+    rc, output = run_subprocess([run.selftest], budget)
+    rows = parse_selftest(output)
+    run.payload["selftest"] = {"rc": rc, "rows": rows, "output_tail": output[-1500:]}
+    bad = [f"{r['op']} b{r['batch']} (ratio {r['ratio']:.3g})" for r in rows if not r["ok"]]
+    if rc != 0 or not rows or bad:
+        run.failures.append(f"selftest: exit {rc}, {len(rows)} cases, mismatches: {', '.join(bad) or 'none'}; "
+                            f"{_last_lines(output, 3)}")
+    return None
 
 
 def phase_model(run: Run) -> None:
@@ -675,6 +726,10 @@ def print_report(payload: dict[str, Any], failures: Sequence[str], cuda: bool = 
     for tool, record in sanitize.items() if isinstance(sanitize, dict) else []:
         if isinstance(record, dict):
             print(f"sanitize {tool}: {record.get('errors', record.get('skipped', record.get('error')))} error(s)")
+    selftest = [r for r in payload.get("selftest", {}).get("rows") or [] if r.get("gpu_us") is not None]
+    if selftest:
+        print_table(selftest, ["op", "batch", "ratio", "ok", "gpu_us"],
+                    title="selftest: GPU time per op inside a CUDA graph of 20 copies (CUDA events, no ORT)")
     ops = payload.get("ops", {}).get("rows") or []
     if ops:
         print_table(ops, ["op", "batch", "ort_us", "fused_us", "saved_us", "speedup"],
@@ -717,8 +772,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.failures.append("no library: give --library or include the build phase")
             setup_error = True
         if not setup_error:
-            for phase, fn in (("check", phase_check), ("model", phase_model), ("ops", phase_ops),
-                              ("sanitize", phase_sanitize)):
+            for phase, fn in (("check", phase_check), ("selftest", phase_selftest), ("model", phase_model),
+                              ("ops", phase_ops), ("sanitize", phase_sanitize)):
                 if phase in args.phases:
                     _run_phase(run, phase, fn)
         run.payload["verdict"] = verdict(run.payload)

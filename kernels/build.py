@@ -3,6 +3,7 @@
     python -m kernels.build                  # CUDA + CPU kernels with nvcc: sm_90 code + compute_90 PTX
     python -m kernels.build --archs 80,90    # more GPU targets (PTX of the newest one is embedded too)
     python -m kernels.build --cpu-only       # CPU kernels only, with g++ (no CUDA toolkit needed)
+    python -m kernels.build --selftest       # also onnxcnn_selftest: the CUDA kernels alone (no ORT)
 
 nvcc is ``--nvcc``, else ``$NVCC``, else ``nvcc`` on PATH (the GPU machine's CUDA 13.0), else
 ``$CUDA_HOME/bin/nvcc``, else the one of PyPI's ``nvidia-cuda-nvcc`` wheel (``pip install '.[kernels]'``:
@@ -11,7 +12,9 @@ links). The CUDA runtime is linked statically, so the library needs only the dri
 loads (CPU kernels usable) on machines without one. ONNX Runtime's headers: see kernels/ort_headers.py.
 
 Outputs in kernels/build/ (ignored by git): ``libonnxcnn_ops.so`` (CUDA build) or ``libonnxcnn_ops_cpu.so``,
-each with a ``.json`` stamp (hash of the sources, compiler and command); an unchanged build is not redone.
+and ``onnxcnn_selftest`` (src/selftest.cu: the CUDA kernels against the CPU ones, in a CUDA graph, timed;
+needs no ONNX Runtime), each with a ``.json`` stamp (hash of the sources, compiler and command); an
+unchanged build is not redone.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ BUILD_DIR = KERNELS_DIR / "build"
 HEADERS_DIR = BUILD_DIR / "ort-include"
 CUDA_LIBRARY = "libonnxcnn_ops.so"
 CPU_LIBRARY = "libonnxcnn_ops_cpu.so"
+SELFTEST = "onnxcnn_selftest"
 DEFAULT_ARCHS = (90,)
 HOST_SOURCES = ("onnxcnn_ops.cc", "cpu_kernels.cc")
 CUDA_SOURCES = ("dwconv_act.cu", "se_block.cu")
 HEADERS = ("onnxcnn_ops.h",)
+SELFTEST_SOURCES = ("selftest.cu", "cpu_kernels.cc", *CUDA_SOURCES)
 PIP_NVCC = ("cu13", "bin", "nvcc")  # under the ``nvidia`` namespace package of the nvidia-cuda-nvcc wheel
 
 
@@ -114,6 +119,13 @@ def nvcc_command(nvcc: Path, include: Path, output: Path, archs: Sequence[int]) 
     ]  # fmt: skip
 
 
+def selftest_command(nvcc: Path, output: Path, archs: Sequence[int]) -> list[str]:
+    sources = [str(SRC_DIR / name) for name in SELFTEST_SOURCES]
+    libraries = [f"-L{d}" for d in cuda_library_dirs(nvcc)]
+    return [str(nvcc), "-std=c++17", "-O3", "-lineinfo", "-cudart=static", "-Xcompiler=-Wall", "-DONNXCNN_WITH_CUDA",
+            *gencode_flags(archs), *libraries, *sources, "-o", str(output)]  # fmt: skip
+
+
 def cpu_command(compiler: str, include: Path, output: Path) -> list[str]:
     sources = [str(SRC_DIR / name) for name in HOST_SOURCES]
     return [compiler, "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra",
@@ -123,7 +135,7 @@ def cpu_command(compiler: str, include: Path, output: Path) -> list[str]:
 def stamp_of(command: Sequence[str], compiler_version: str) -> str:
     """A hash of everything the output depends on: sources, headers' API version, compiler and command."""
     digest = hashlib.sha256()
-    for name in (*HEADERS, *HOST_SOURCES, *CUDA_SOURCES):
+    for name in (*HEADERS, *HOST_SOURCES, *CUDA_SOURCES, "selftest.cu"):
         digest.update(name.encode() + b"\0" + (SRC_DIR / name).read_bytes())
     digest.update("\0".join(command).encode() + b"\0" + compiler_version.encode())
     return digest.hexdigest()
@@ -167,17 +179,35 @@ def build(
         compiler = str(found)
         output = out_dir / CUDA_LIBRARY
         command = nvcc_command(found, include, output, archs)
+    rebuilt = _compile(command, output, compiler, force, {"header_api": header_api})
+    return BuildResult(output, command, rebuilt, header_api, not cpu_only)
+
+
+def build_selftest(*, nvcc: str | None = None, archs: Sequence[int] = DEFAULT_ARCHS, out_dir: Path = BUILD_DIR,
+                   force: bool = False) -> Path:
+    """Build onnxcnn_selftest (needs nvcc, not ONNX Runtime's headers); returns its path."""
+    found = find_nvcc(nvcc)
+    if found is None:
+        raise BuildError("nvcc not found: put CUDA 13's nvcc on PATH, set $NVCC, or pip install '.[kernels]'")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / SELFTEST
+    _compile(selftest_command(found, output, archs), output, str(found), force, {})
+    return output
+
+
+def _compile(command: list[str], output: Path, compiler: str, force: bool, extra: dict) -> bool:
+    """Run ``command`` unless ``output``'s stamp says it is up to date; True when it ran."""
     stamp = stamp_of(command, compiler_version(compiler))
     stamp_file = output.with_suffix(output.suffix + ".json")
     if not force and output.is_file() and _read_stamp(stamp_file) == stamp:
-        return BuildResult(output, command, False, header_api, not cpu_only)
+        return False
     output.unlink(missing_ok=True)
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not output.is_file():
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-25:])
         raise BuildError(f"{Path(command[0]).name} failed ({result.returncode}):\n{tail}")
-    stamp_file.write_text(json.dumps({"stamp": stamp, "command": command, "header_api": header_api}, indent=1) + "\n")
-    return BuildResult(output, command, True, header_api, not cpu_only)
+    stamp_file.write_text(json.dumps({"stamp": stamp, "command": command, **extra}, indent=1) + "\n")
+    return True
 
 
 def _read_stamp(path: Path) -> str | None:
@@ -211,6 +241,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--archs", type=parse_archs, default=DEFAULT_ARCHS, help="compute capabilities (90)")
     parser.add_argument("--out-dir", type=Path, default=BUILD_DIR)
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    parser.add_argument("--selftest", action="store_true", help="also build onnxcnn_selftest (CUDA only)")
     return parser.parse_args(argv)
 
 
@@ -225,6 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     state = "built" if result.rebuilt else "up to date"
     print(f"{state}: {result.path} (ORT C API {result.header_api}, {'CUDA + CPU' if result.cuda else 'CPU only'})")
+    if args.selftest and not args.cpu_only:
+        try:
+            selftest = build_selftest(nvcc=args.nvcc, archs=args.archs, out_dir=args.out_dir, force=args.force)
+            print(f"selftest: {selftest}")
+        except BuildError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -22,7 +22,7 @@ from bench import fused_ops  # noqa: E402
 
 def test_arguments_and_their_checks():
     args = fused_ops.parse_args([])
-    assert args.phases == ("build", "check", "model", "ops", "sanitize")
+    assert args.phases == ("build", "check", "selftest", "model", "ops", "sanitize")
     assert args.sanitizers == ("memcheck", "racecheck", "initcheck")
     assert fused_ops.parse_args(["--phases", "check,model"]).phases == ("check", "model")
     with pytest.raises(SystemExit):
@@ -89,6 +89,17 @@ def test_sanitizer_summary_is_read():
     text = "x\n========= ERROR SUMMARY: 3 errors (2 shown)\n"
     assert fused_ops.sanitizer_errors(text) == 3
     assert fused_ops.sanitizer_errors("Segmentation fault") is None
+
+
+def test_selftest_output_is_parsed():
+    out = ("dw c13 17x19 k3 s1 p1 Relu        b3   ratio 0.0123     ok   nan us\n"
+           "se c960 7x7 r240                 b8   ratio 2.5        FAIL 4.125 us\n"
+           "selftest: 2 cases, 1 failed\n")
+    rows = fused_ops.parse_selftest(out)
+    assert rows == [
+        {"op": "dw c13 17x19 k3 s1 p1 Relu", "batch": 3, "ratio": 0.0123, "ok": True, "gpu_us": None},
+        {"op": "se c960 7x7 r240", "batch": 8, "ratio": 2.5, "ok": False, "gpu_us": 4.125},
+    ]
 
 
 def test_sanitizer_is_found_on_path_or_next_to_nvcc(tmp_path):
@@ -212,3 +223,38 @@ def test_dry_run_model_phase(tmp_path):
         (v.name, b) for v in fused_ops.MODEL_VARIANTS for b in fused_ops.BATCHES}
     assert all(r["samples"] == 6 and r["rel_l2_vs_unfused_nhwc"] < 1e-4 for r in rows)
     assert {r["nodes"] for r in rows} == {140, 85}
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _gpu_run(tmp_path, **kwargs) -> fused_ops.Run:
+    args = fused_ops.parse_args(["--sanitizers", "memcheck,racecheck"])
+    return fused_ops.Run(args, cuda=True, work=tmp_path, deadline=fused_ops.Deadline(300), library="lib.so", **kwargs)
+
+
+def test_selftest_phase_fails_on_a_mismatch(tmp_path):
+    selftest = _script(tmp_path / "selftest", "echo 'dw c3 1x1 k3 s1 p1 Relu b2 ratio 0.1 ok nan us'\n"
+                                              "echo 'se c8 1x1 r3 b3 ratio 7 FAIL nan us'\nexit 1\n")
+    run = _gpu_run(tmp_path, selftest=selftest)
+    fused_ops.phase_selftest(run)
+    assert len(run.payload["selftest"]["rows"]) == 2
+    assert run.failures == [run.failures[0]] and "se c8 1x1 r3 b3 (ratio 7)" in run.failures[0]
+
+
+def test_sanitizer_errors_fail_the_run(tmp_path, monkeypatch):
+    """A sanitizer that reports errors on the selftest; a clean one on the ORT worker is not enough to pass."""
+    sanitizer = _script(tmp_path / "compute-sanitizer",
+                        'case "$*" in *selftest*) echo "========= ERROR SUMMARY: 2 errors"; exit 86;; esac\n'
+                        'echo "========= ERROR SUMMARY: 0 errors"\n')
+    monkeypatch.setattr(fused_ops, "find_sanitizer", lambda: sanitizer)
+    run = _gpu_run(tmp_path, selftest=str(tmp_path / "selftest"))
+    fused_ops.phase_sanitize(run)
+    assert set(run.payload["sanitize"]) == {"selftest-memcheck", "selftest-racecheck", "ort-memcheck"}
+    assert run.payload["sanitize"]["selftest-racecheck"]["errors"] == 2
+    assert sum(f.startswith("sanitize selftest") for f in run.failures) == 2
+    # the ORT target reported 0 errors but its worker (not run by the fake) left no result: also a failure
+    assert any(f.startswith("sanitize ort memcheck: 0 error(s)") and "no result" in f for f in run.failures)
