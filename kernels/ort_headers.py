@@ -173,6 +173,6 @@ def resolve(explicit: Path | None, default: Path, *, work_dir: Path, allow_fetch
     if is_complete(default):
         return default
     if not allow_fetch:
-        raise HeaderError(f"no ONNX Runtime headers in {default} and fetching is off: run python -m kernels.build "
-                          "on a machine with network first (and carry kernels/build), or pass --headers DIR")
+        raise HeaderError(f"no ONNX Runtime headers in {default.name} and fetching is off: run python -m kernels.build "
+                          "on a machine with network first and carry kernels/build/ort-include, or pass --headers DIR")
     return fetch(default, work_dir=work_dir)
