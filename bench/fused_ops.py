@@ -6,28 +6,28 @@ along, since nothing can be fetched there -- see kernels/README.md):
 Plumbing check without a GPU (CPU provider, CPU kernels, a few samples; timings mean nothing):
     python bench/fused_ops.py --dry-run
 
-Phases (the orchestrator, this process, never touches CUDA; each phase runs in processes of its own,
-see bench/fused_ops_workers.py for why):
-1. build   ``kernels.build.build(force=True)`` with the machine's nvcc: sm_90 + compute_90 PTX, and the
-           selftest binary (kernels/src/selftest.cu).
-2. check   every fused op (odd shapes at batch 1 and 3, MobileNetV3-Large's at 1 and 8) against the numpy
-           reference and against ONNX Runtime's own CUDA kernels of the unfused subgraph (TF32 off), with
-           the rule of kernels.reference (|diff| <= 1e-5 + 1e-4 |want|); and its CUDA-graph replay
-           against a plain run, again after new inputs. The rewrite itself comes from the optimizer pass.
-   selftest the CUDA kernels alone (no ORT) against the CPU kernels, plain and in CUDA graphs, and their
-           GPU time per op inside a CUDA graph (CUDA events): the kernel cost without ORT.
-3. model   the zoo MobileNetV3-Large (2019-style hard-swish, random weights) optimized as the kernel
-           census does, at batch 1 and 8, CUDA graphs + IO binding + EXHAUSTIVE search, one process per
-           variant: unfused NHWC (what the engine serves today), unfused NCHW, fused NCHW, fused NCHW with
-           fuse_conv_bias. Rounds alternate the variants (order reversed every other round); medians of
-           all samples. Outputs: every variant against unfused NHWC (rel L2 <= 1e-2: TF32 is on), and fused
-           against ORT CPU with TF32 off (rel L2 <= 1e-3).
-4. ops     each MobileNetV3 fused op against the ORT kernels it replaces, in CUDA graphs: K independent
-           copies per run (so a run's own overhead is shared), the same A/B rounds; per-op time = median
-           run / K. From these, the saving the model should see (count x saving per op).
-5. sanitize compute-sanitizer memcheck, racecheck and initcheck on the selftest (exact cudaMalloc buffers,
-           the SE scratch too), and memcheck on the fused ops inside ORT (inputs and outputs on exact
-           buffers, plain and in a CUDA graph); any reported error fails the run.
+Phases, in this order (the orchestrator, this process, never touches CUDA; each phase runs in processes of
+its own, see bench/fused_ops_workers.py for why):
+build     ``kernels.build.build(force=True)`` with the machine's nvcc: sm_90 + compute_90 PTX, and the
+          selftest binary (kernels/src/selftest.cu).
+check     every fused op (odd shapes at batch 1 and 3, MobileNetV3-Large's at 1 and 8) against the numpy
+          reference and against ONNX Runtime's own CUDA kernels of the unfused subgraph (TF32 off), with
+          the rule of kernels.reference (|diff| <= 1e-5 + 1e-4 |want|); and its CUDA-graph replay against a
+          plain run, again after new inputs. The rewrite itself comes from the optimizer pass.
+selftest  the CUDA kernels alone (no ORT) against the CPU kernels, plain and in CUDA graphs, and their GPU
+          time per op inside a CUDA graph (CUDA events): the kernel cost without ORT.
+model     the zoo MobileNetV3-Large (2019-style hard-swish, random weights) optimized as the kernel census
+          does, at batch 1 and 8, CUDA graphs + IO binding + EXHAUSTIVE search, one process per variant:
+          unfused NHWC (what the engine serves today), unfused NCHW, fused NCHW, fused NCHW with
+          fuse_conv_bias. Rounds alternate the variants (order reversed every other round); medians of all
+          samples. Outputs: every variant against unfused NHWC (rel L2 <= 1e-2: TF32 is on), and fused
+          against ORT CPU with TF32 off (rel L2 <= 1e-3).
+sanitize  compute-sanitizer memcheck, racecheck and initcheck on the selftest (exact cudaMalloc buffers, the
+          SE scratch too), and memcheck on the fused ops inside ORT (inputs and outputs on exact buffers,
+          plain and in a CUDA graph); any reported error fails the run.
+ops       each MobileNetV3 fused op against the ORT kernels it replaces, in CUDA graphs: K independent
+          copies per run (so a run's own overhead is shared), the same A/B rounds; per-op time = median run
+          / K. From these, the saving the model should see (count x saving per op).
 Prints tables (the model last) and writes bench/results/fused-ops-<date>.json. Exit status: 0 all good,
 1 a mismatch, a sanitizer error or a failed phase (each named on a FAILED line), 2 setup trouble (no
 CUDA, no nvcc, no headers). A phase skipped for lack of time counts as failed.
@@ -65,7 +65,7 @@ BATCHES = (1, 8)
 MODEL_REL_L2_TF32 = 1e-2  # timed sessions: TF32 convolutions on both sides (as tests/gpu)
 MODEL_REL_L2_EXACT = 1e-3  # TF32 off against ORT's CPU provider, 60 layers of float32
 SANITIZERS = ("memcheck", "racecheck", "initcheck")
-PHASES = ("build", "check", "selftest", "model", "ops", "sanitize")
+PHASES = ("build", "check", "selftest", "model", "sanitize", "ops")  # correctness and the headline first
 # Budget of each phase in seconds (a phase gets at most what is left of the deadline).
 BUDGETS = {"build": 150, "check": 150, "selftest": 60, "model": 170, "ops": 130, "sanitize": 100}
 # From the kernel census (bench/results/kernel-census-2026-12-01-h200-bias-sink.json) and the issue: what the
@@ -467,7 +467,8 @@ def phase_sanitize(run: Run) -> None:
         run.payload["sanitize"] = {"error": "compute-sanitizer not found"}
         return
     targets = [("selftest", tool) for tool in run.args.sanitizers if run.selftest]
-    targets += [("ort", "memcheck")] if "memcheck" in run.args.sanitizers else []
+    if "memcheck" in run.args.sanitizers:  # right after the selftest's memcheck: the one the issue asks for
+        targets.insert(1 if run.selftest else 0, ("ort", "memcheck"))
     results = {}
     for target, tool in targets:
         budget = run.deadline.budget("sanitize", minimum=30.0)
@@ -772,10 +773,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.failures.append("no library: give --library or include the build phase")
             setup_error = True
         if not setup_error:
-            for phase, fn in (("check", phase_check), ("selftest", phase_selftest), ("model", phase_model),
-                              ("ops", phase_ops), ("sanitize", phase_sanitize)):
+            phases = {"check": phase_check, "selftest": phase_selftest, "model": phase_model,
+                      "sanitize": phase_sanitize, "ops": phase_ops}
+            for phase in PHASES[1:]:
                 if phase in args.phases:
-                    _run_phase(run, phase, fn)
+                    _run_phase(run, phase, phases[phase])
         run.payload["verdict"] = verdict(run.payload)
         run.payload["failures"] = run.failures
         run.payload["notes"] = run.notes

@@ -229,14 +229,11 @@ def _ratios(row: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ sanitize
-SANITIZE_CASES = (
+SANITIZE_CASES = (  # few: under memcheck every kernel of the process is instrumented
     (graphs.DwSpec(13, 17, 19, 3, 2, "HardSwish"), 2),
     (graphs.DwSpec(5, 6, 70, 5, 1, "HardSwish", pad=1), 1),
-    (graphs.DwSpec(7, 9, 33, 5, 2, "None"), 3),
     (graphs.DwSpec(960, 7, 7, 5, 1, "HardSwish"), 1),
-    (graphs.SeSpec(13, 5, 7, 5), 2),
-    (graphs.SeSpec(100, 9, 9, 37), 1),
-    (graphs.SeSpec(2000, 2, 2, 100), 1),
+    (graphs.SeSpec(100, 9, 9, 37), 2),
     (graphs.SeSpec(960, 7, 7, 240), 1),
 )
 

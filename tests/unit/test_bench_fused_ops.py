@@ -22,7 +22,7 @@ from bench import fused_ops  # noqa: E402
 
 def test_arguments_and_their_checks():
     args = fused_ops.parse_args([])
-    assert args.phases == ("build", "check", "selftest", "model", "ops", "sanitize")
+    assert args.phases == ("build", "check", "selftest", "model", "sanitize", "ops")
     assert args.sanitizers == ("memcheck", "racecheck", "initcheck")
     assert fused_ops.parse_args(["--phases", "check,model"]).phases == ("check", "model")
     with pytest.raises(SystemExit):
@@ -253,7 +253,7 @@ def test_sanitizer_errors_fail_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(fused_ops, "find_sanitizer", lambda: sanitizer)
     run = _gpu_run(tmp_path, selftest=str(tmp_path / "selftest"))
     fused_ops.phase_sanitize(run)
-    assert set(run.payload["sanitize"]) == {"selftest-memcheck", "selftest-racecheck", "ort-memcheck"}
+    assert list(run.payload["sanitize"]) == ["selftest-memcheck", "ort-memcheck", "selftest-racecheck"]
     assert run.payload["sanitize"]["selftest-racecheck"]["errors"] == 2
     assert sum(f.startswith("sanitize selftest") for f in run.failures) == 2
     # the ORT target reported 0 errors but its worker (not run by the fake) left no result: also a failure
