@@ -24,11 +24,13 @@ from service.optimizer.passes.fuse_bn_into_gemm import fuse_bn_into_gemm
 from service.optimizer.passes.fuse_bn_into_next_conv import fuse_bn_into_next_conv
 from service.optimizer.passes.fuse_conv_add_relu_into_fusedconv import fuse_conv_add_relu_into_fusedconv
 from service.optimizer.passes.fuse_conv_relu_into_fusedconv import fuse_conv_relu_into_fusedconv
+from service.optimizer.passes.fuse_dwconv_act_into_fused_op import fuse_dwconv_act_into_fused_op
 from service.optimizer.passes.fuse_elementwise_into_conv import fuse_elementwise_into_conv
 from service.optimizer.passes.fuse_hardsigmoid import fuse_hardsigmoid
 from service.optimizer.passes.fuse_hardswish import fuse_hardswish
 from service.optimizer.passes.fuse_matmul_add_into_gemm import fuse_matmul_add_into_gemm
 from service.optimizer.passes.fuse_mul_hardsigmoid_into_hardswish import fuse_mul_hardsigmoid_into_hardswish
+from service.optimizer.passes.fuse_se_block_into_fused_op import fuse_se_block_into_fused_op
 from service.optimizer.passes.sink_conv_bias import sink_conv_bias
 
 if TYPE_CHECKING:
@@ -82,6 +84,16 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(sink_conv_bias),
     _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled),
     _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled),
+)
+
+# The ai.onnxcnn custom operators (kernels/): only for a session that registers that library on the CUDA
+# provider, so never part of DEFAULT_PIPELINE; service.optimizer.fused_ops.apply_fused_ops runs them on a
+# graph the default pipeline already optimized (they match the HardSwish/HardSigmoid it writes, and
+# FusedConv(Relu) where it made those). SE blocks first: their input is a depthwise conv's output, which
+# the second pass then fuses with that conv either way.
+FUSED_OPS_PIPELINE: tuple[PassSpec, ...] = (
+    _spec(fuse_se_block_into_fused_op),
+    _spec(fuse_dwconv_act_into_fused_op),
 )
 
 

@@ -1,0 +1,172 @@
+"""kernels.build and kernels.ort_headers: finding nvcc, the GPU targets, the headers' API version, apt
+sources, stamps; and (slow, where an nvcc exists) that the CUDA build compiles and its library loads here."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kernels import build, graphs, ort_headers, reference
+
+
+def test_gencode_has_sass_for_each_arch_and_ptx_of_the_newest():
+    assert build.gencode_flags([90]) == [
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    flags = build.gencode_flags([90, 80, 80])
+    assert flags == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    with pytest.raises(build.BuildError, match="compute capabilities"):
+        build.gencode_flags([9])
+    with pytest.raises(build.BuildError):
+        build.gencode_flags([])
+
+
+def test_parse_archs():
+    assert build.parse_archs("80,90") == (80, 90)
+    with pytest.raises(Exception, match="--archs"):
+        build.parse_archs("sm_90")
+
+
+def _executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_nvcc_search_order(tmp_path):
+    explicit, env_nvcc, on_path = (_executable(tmp_path / d / "nvcc") for d in ("a", "b", "c"))
+    home = tmp_path / "cuda"
+    _executable(home / "bin" / "nvcc")
+    which = lambda _name: str(on_path)  # noqa: E731
+    assert build.find_nvcc(str(explicit), {"NVCC": str(env_nvcc)}, which) == explicit
+    assert build.find_nvcc(None, {"NVCC": str(env_nvcc)}, which) == env_nvcc
+    assert build.find_nvcc(None, {}, which) == on_path
+    assert build.find_nvcc(None, {"CUDA_HOME": str(home)}, lambda _name: None) == home / "bin" / "nvcc"
+    with pytest.raises(build.BuildError, match="not an executable"):
+        build.find_nvcc(str(tmp_path / "missing"), {}, lambda _name: None)
+
+
+def test_cuda_library_dirs_find_the_static_runtime(tmp_path):
+    nvcc = _executable(tmp_path / "cu13" / "bin" / "nvcc")
+    assert build.cuda_library_dirs(nvcc) == []
+    (tmp_path / "cu13" / "lib").mkdir()
+    (tmp_path / "cu13" / "lib" / "libcudart_static.a").write_bytes(b"")
+    assert build.cuda_library_dirs(nvcc) == [tmp_path / "cu13" / "lib"]
+    command = build.nvcc_command(nvcc, tmp_path / "inc", tmp_path / "out.so", [90])
+    assert f"-L{tmp_path / 'cu13' / 'lib'}" in command and "-cudart=static" in command
+    assert "-DONNXCNN_WITH_CUDA" in command and command[-2:] == ["-o", str(tmp_path / "out.so")]
+    assert {Path(a).name for a in command if a.endswith((".cc", ".cu"))} == {
+        "onnxcnn_ops.cc", "cpu_kernels.cc", "dwconv_act.cu", "se_block.cu"}
+
+
+def test_stamp_changes_with_the_command_and_compiler():
+    command = build.cpu_command("g++", Path("inc"), Path("out.so"))
+    assert build.stamp_of(command, "g++ 12") == build.stamp_of(command, "g++ 12")
+    assert build.stamp_of(command, "g++ 12") != build.stamp_of(command, "g++ 13")
+    assert build.stamp_of(command, "g++ 12") != build.stamp_of([*command, "-g"], "g++ 12")
+
+
+def test_header_api_version_is_read_and_checked(tmp_path):
+    (tmp_path / ort_headers.HEADER).write_text("// x\n#define ORT_API_VERSION 21\n")
+    assert ort_headers.api_version(tmp_path) == 21
+    ort_headers.check_api_version(21, "1.31.1")
+    ort_headers.check_api_version(21, "1.21.0")
+    with pytest.raises(ort_headers.HeaderError, match="serves up to 20"):
+        ort_headers.check_api_version(21, "1.20.1")
+    with pytest.raises(ort_headers.HeaderError, match="no ORT_API_VERSION"):
+        (tmp_path / ort_headers.HEADER).write_text("nothing\n")
+        ort_headers.api_version(tmp_path)
+    with pytest.raises(ort_headers.HeaderError, match=r"no onnxruntime_c_api\.h"):
+        ort_headers.api_version(tmp_path / "missing")
+
+
+def test_debian_source_is_read_from_both_apt_formats():
+    deb822 = (
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\nComponents: main\n"
+        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n"
+    )
+    assert ort_headers.debian_source([deb822]) == (
+        "http://mirror.example/debian", "/usr/share/keyrings/debian-archive-keyring.gpg")
+    one_line = "# comment\ndeb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian/ bookworm main\n"
+    assert ort_headers.debian_source([one_line]) == ("http://mirror.example/debian", "/k.gpg")
+    assert ort_headers.debian_source(["deb http://mirror.example/debian-security bookworm-security main"]) is None
+    assert ort_headers.debian_source(["Types: deb-src\nURIs: http://mirror.example/debian\n"]) is None
+
+
+def test_fetch_runs_apt_in_a_private_state_and_keeps_only_the_headers(tmp_path, monkeypatch):
+    """apt-get and dpkg-deb stand-ins: the commands, the private apt options, the cleanup."""
+    calls = []
+
+    def run(command, cwd=None, **_kwargs):
+        calls.append((command, cwd))
+        if command[:2] == ["dpkg-deb", "-x"]:
+            include = Path(command[3]) / "usr" / "include" / "onnxruntime"
+            include.mkdir(parents=True)
+            for name in ort_headers.REQUIRED:
+                (include / name).write_text("#define ORT_API_VERSION 21\n")
+        if "download" in command:
+            (Path(cwd) / f"{ort_headers.PACKAGE}_1.21_amd64.deb").write_bytes(b"deb")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(ort_headers.shutil, "which", lambda name: f"/usr/bin/{name}")
+    dest = tmp_path / "ort-include"
+    texts = ["deb http://mirror.example/debian bookworm main\n"]
+    assert ort_headers.fetch(dest, work_dir=tmp_path, run=run, texts=texts) == dest
+    assert ort_headers.is_complete(dest) and "trixie" in (dest / "SOURCE.txt").read_text()
+    update, download, unpack = (c for c, _ in calls)
+    assert update[-1] == "update" and any(o.startswith("-oDir::State::Lists=") for o in update)
+    assert download[-1] == f"{ort_headers.PACKAGE}={ort_headers.VERSION}"
+    assert unpack[:2] == ["dpkg-deb", "-x"]
+    assert not (tmp_path / "apt").exists()  # the package lists are gone
+
+
+def test_fetch_failure_names_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(ort_headers.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+    def run(command, **_kwargs):
+        return subprocess.CompletedProcess(command, 100, "", "E: Unable to locate package")
+
+    with pytest.raises(ort_headers.HeaderError, match="apt-get update failed \\(100\\): E: Unable"):
+        ort_headers.fetch(tmp_path / "inc", work_dir=tmp_path, run=run, texts=["deb http://m.example/debian x main"])
+
+
+def test_resolve_prefers_an_explicit_folder_and_never_fetches_when_told(tmp_path):
+    with pytest.raises(ort_headers.HeaderError, match="not an ONNX Runtime include folder"):
+        ort_headers.resolve(tmp_path, tmp_path / "default", work_dir=tmp_path)
+    with pytest.raises(ort_headers.HeaderError, match="fetching is off"):
+        ort_headers.resolve(None, tmp_path / "default", work_dir=tmp_path, allow_fetch=False)
+
+
+@pytest.mark.slow
+def test_cuda_build_compiles_and_its_library_loads_here(cpu_library):
+    """The nvcc build (sm_90 + PTX) where an nvcc exists; without a GPU its CPU kernels still run."""
+    if build.find_nvcc() is None:
+        pytest.skip("no nvcc here (pip install '.[kernels]' brings one)")
+    result = build.build()
+    info = ctypes.CDLL(str(result.path)).OnnxcnnOpsBuildInfo
+    info.restype = ctypes.c_char_p
+    assert b"CUDA 13." in info() and result.cuda
+    data = result.path.read_bytes()
+    assert b"sm_90" in data or b".target sm_90" in data  # the fat binary's targets
+    spec = graphs.SeSpec(12, 5, 5, 6)
+    model = graphs.se_model(spec, fused=True)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(result.path))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = graphs.input_array((2, 12, 5, 5), seed=0)
+    w = graphs.model_weights(model)
+    want = reference.squeeze_excite(x, w["w1_0"], w["b1_0"], w["w2_0"], w["b2_0"], alpha=spec.alpha, beta=spec.beta)
+    assert reference.within_tolerance(session.run(None, {"x": x})[0], want)
+    assert np.isfinite(want).all()
