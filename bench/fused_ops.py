@@ -128,7 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1 or args.samples < 1 or args.op_rounds < 1 or args.op_samples < 1 or args.copies < 1:
         parser.error("--rounds, --samples, --op-rounds, --op-samples and --copies must be >= 1")
     if args.dry_run:
-        args.rounds, args.samples, args.op_rounds, args.op_samples = 2, 3, 1, 2
+        args.rounds, args.samples, args.op_rounds, args.op_samples = 1, 3, 1, 2
         args.copies, args.quick = min(args.copies, 2), True
     return args
 
@@ -753,7 +753,7 @@ def print_report(payload: dict[str, Any], failures: Sequence[str], cuda: bool = 
 def cuda_ready(dry_run: bool) -> tuple[bool, str]:
     if dry_run:
         return True, "dry run"
-    from service.runtime.providers import cuda_status
+    from service.runtime.device import cuda_status
 
     return cuda_status()
 

@@ -242,7 +242,7 @@ class DeviceArrays:
     """Exactly-sized cudaMalloc buffers (not ORT's arena), so that memcheck sees any access past them."""
 
     def __init__(self) -> None:
-        from service.runtime.cudart import loaded_library_path
+        from service.runtime.device import loaded_library_path
 
         path = loaded_library_path()
         if path is None:

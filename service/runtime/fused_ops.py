@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from service.runtime.providers import CPU, CUDA, cuda_status, quiet_native_output
+from service.runtime.device import CPU, CUDA, cuda_status, quiet_native_output
 
 DOMAIN = "ai.onnxcnn"
 LIBRARY_NAME = "libonnxcnn_ops.so"

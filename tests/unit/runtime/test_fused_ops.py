@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.runtime import fused_ops
-from service.runtime.providers import cuda_status
+from service.runtime.device import cuda_status
 
 CPU = "CPUExecutionProvider"
 
