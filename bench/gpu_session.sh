@@ -1,66 +1,68 @@
 #!/usr/bin/env bash
-# The GPU session's measurements, as run on the device machine (after ../shared/gpu/stage and its
-# setup calls), one or more parts per call:
-#   bench/gpu_session.sh PART [PART...]   PART: probe|hostcopy|tuner|engine|service|tests|bisect|floor|sharing|census|all
-# Several parts in one call run in the order above (one call saves the machine's idle time between calls).
-# Extra arguments: ENGINE_ARGS (bench/engine.py, e.g. "--models mnv3_2019,resnet50"), SERVERS, SERIES, CONCURRENCY, WORKERS,
-# TUNER_MODEL and TUNER_PRECISION (bench/tuner_check.py), CENSUS_ARGS (bench/kernel_census.py, e.g. "--models mnv3"),
-# FLOOR_ARGS (bench/http_overhead.py, e.g. "--variants service,floor_raw").
-# Everything lands in $OUT (logs and JSON), which the lead copies into bench/results/. Run it from a
-# `git archive` snapshot with GIT_COMMIT=<that commit> exported: git on the device machine would name
-# whatever stale checkout surrounds the snapshot in every result header.
+# The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
+#   bench/gpu_session.sh PART [PART...]
+# PART: check | tests | candidates | sanitize | fused | coldwarm | coldfresh | engine | service | all
+#   check       nvidia-smi, versions, httptools
+#   tests       pytest tests/gpu
+#   candidates  bench/cuda_candidate.py over layouts x cuDNN searches x graphs (which tuner candidates fault)
+#   sanitize    compute-sanitizer memcheck on the candidate that faults (CANDIDATE, default "--layout nchw")
+#   fused       bench/fused_ops.py (the fused CUDA operators: build, check, model timing; FUSED_PHASES)
+#   coldwarm    bench/coldstart.py --store warm (COLD_RUNS, COLD_PARALLEL)
+#   coldfresh   bench/coldstart.py --store fresh (COLD_RUNS, COLD_PARALLEL, COLD_ENV: extra SERVICE_X=Y)
+#   engine      bench/engine.py (ENGINE_ARGS)
+#   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS)
+# Parts run in the order given. Everything lands under $OUT/session and is packed into $OUT/session.tgz at
+# the end (the device tool brings back at most 8 files). Export GIT_COMMIT=<commit> (git there would name an
+# unrelated checkout).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-parts=" ${*:-all} "
-want() { [[ $parts == *" $1 "* ]] || { [[ $parts == *" all "* ]] && [ "${2:-}" != only ]; }; }
-nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/gpu.txt"
-nproc | sed 's/^/cpus: /' | tee -a "$OUT/gpu.txt"
-# uvicorn[standard]'s parser: ../shared/gpu/stage fetches plain uvicorn, so stage with `../shared/gpu/stage httptools`
-python3 -c 'import httptools' 2>/dev/null \
-  || echo "WARNING: httptools missing: uvicorn falls back to its pure-Python parser (h11); service figures will be low" \
-  | tee -a "$OUT/gpu.txt"
-if want probe; then
-  timeout "${PROBE_TIMEOUT_S:-240}" python3 bench/cuda_probe.py --deadline-s "${PROBE_DEADLINE_S:-220}" \
-    --out "$OUT/cuda-probe.json" 2>&1 | tee "$OUT/probe.log" | tail -40
-fi
-if want hostcopy; then  # the engine's row copies against whole-bucket copies; which memory page-locks (~1.5 min)
-  timeout "${HOSTCOPY_TIMEOUT_S:-150}" python3 bench/host_copy.py --out "$OUT/host-copy.json" 2>&1 \
-    | tee "$OUT/hostcopy.log" | tail -30
-fi
-if want tuner; then  # what precision "auto" serves for one model, and its times (about 2 minutes)
-  timeout "${TUNER_TIMEOUT_S:-200}" python3 bench/tuner_check.py --model "${TUNER_MODEL:-resnet50}" \
-    --precision "${TUNER_PRECISION:-auto}" --out "$OUT/tuner-check.json" 2>&1 | tee "$OUT/tuner.log" | tail -20
-fi
-if want engine; then
-  timeout "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
-    --out-dir "$OUT" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log" | tail -80
-fi
-if want service; then
-  # client_ceiling first: what the load generator can send on this host bounds every other figure
-  timeout "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
-    --client "${CLIENT:-raw}" --client-procs "${CLIENT_PROCS:-4}" \
-    --servers "${SERVERS:-client_ceiling,service,service_workers,service_nobatch,naive}" --workers "${WORKERS:-4}" \
-    --series "${SERIES:-binary,json}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$OUT/service-cuda.json" 2>&1 | tee "$OUT/service.log" | tail -90
-fi
-if want tests; then
-  timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
-fi
-if want bisect only; then
-  timeout "${BISECT_TIMEOUT_S:-200}" python3 bench/cuda_bisect.py --timeout-s 45 --max-tries 9 \
-    --out "$OUT/cuda-bisect.json" 2>&1 | tee "$OUT/bisect.log" | tail -30
-fi
-if want floor only; then  # the HTTP stack's own cost on this host (CPU provider, a near-empty model)
-  timeout "${FLOOR_TIMEOUT_S:-240}" python3 bench/http_overhead.py --rounds "${FLOOR_ROUNDS:-3}" --requests 300 ${FLOOR_ARGS:-} \
-    --out "$OUT/http-overhead.json" 2>&1 | tee "$OUT/floor.log" | tail -14
-fi
-if want sharing only; then  # N processes on one GPU; b64 variants without CUDA graphs
-  timeout "${SHARING_TIMEOUT_S:-540}" python3 bench/gpu_sharing.py --parts "${SHARING_PARTS:-sharing,b64}" \
-    --sharing-plan "${SHARING_PLAN:-1@0,2@0,4@0,1@1,4@1}" --out "$OUT/gpu-sharing.json" 2>&1 \
-    | tee "$OUT/sharing.log" | tail -30
-fi
-if want census only; then
-  timeout "${CENSUS_TIMEOUT_S:-240}" python3 bench/kernel_census.py ${CENSUS_ARGS:-} --out "$OUT/kernel-census.json" 2>&1 \
-    | tee "$OUT/census.log" | tail -30
-fi
+S="$OUT/session"
+mkdir -p "$S"
+pack() { tar czf "$OUT/session.tgz" -C "$OUT" session && rm -rf "$S"; }
+trap pack EXIT
+run() {  # run NAME TIMEOUT_S COMMAND...: output to $S/NAME.log, its tail to the reply
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) ==="
+  timeout "$limit" "$@" >"$S/$name.log" 2>&1
+  echo "exit $? ($name)" | tee -a "$S/$name.log"
+  tail -n "${TAIL:-15}" "$S/$name.log"
+}
+for part in "${@:-all}"; do
+  case $part in
+    check|all)
+      nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$S/gpu.txt"
+      python3 -c 'import onnxruntime as o, httptools, sys; print(sys.version.split()[0], o.__version__, o.get_available_providers())' \
+        2>&1 | tee -a "$S/gpu.txt" ;;&
+    tests|all)
+      run gpu-tests "${TESTS_TIMEOUT_S:-150}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
+    candidates|all)
+      for c in "nchw EXHAUSTIVE 1" "nchw HEURISTIC 1" "nhwc EXHAUSTIVE 1" "nchw EXHAUSTIVE 0"; do
+        set -- $c
+        run "candidate-$1-$2-graph$3" "${CANDIDATE_TIMEOUT_S:-60}" \
+          python3 bench/cuda_candidate.py --layout "$1" --search "$2" --graph "$3" --runs 200
+      done ;;&
+    sanitize|all)
+      run sanitize "${SANITIZE_TIMEOUT_S:-170}" compute-sanitizer --tool memcheck --print-limit 12 \
+        python3 bench/cuda_candidate.py ${CANDIDATE:---layout nchw} --runs 3 ;;&
+    fused|all)
+      run fused-ops "${FUSED_TIMEOUT_S:-340}" python3 bench/fused_ops.py --deadline-s "${FUSED_DEADLINE_S:-300}" \
+        --phases "${FUSED_PHASES:-build,check,model}" --out "$S/fused-ops.json" ;;&
+    coldwarm|all)
+      run coldstart-warm "${COLD_TIMEOUT_S:-300}" python3 bench/coldstart.py --store warm --runs "${COLD_RUNS:-30}" \
+        --parallel "${COLD_PARALLEL:-6}" --ready-timeout-s 120 --out "$S/coldstart-warm.json" ;;&
+    coldfresh|all)
+      # shellcheck disable=SC2086
+      run coldstart-fresh "${COLD_TIMEOUT_S:-420}" python3 bench/coldstart.py --store fresh --runs "${COLD_RUNS:-30}" \
+        --parallel "${COLD_PARALLEL:-10}" --ready-timeout-s 300 ${COLD_ENV:-} --out "$S/coldstart-fresh.json" ;;&
+    engine|all)
+      run engine "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
+        --out-dir "$S" ${ENGINE_ARGS:-} ;;&
+    service|all)
+      run service "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
+        --servers "${SERVERS:-client_ceiling,service,service_workers}" --workers "${WORKERS:-4}" \
+        --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$S/service-cuda.json" ;;&
+    check|tests|candidates|sanitize|fused|coldwarm|coldfresh|engine|service|all) ;;
+    *) echo "unknown part $part" >&2 ;;
+  esac
+done
