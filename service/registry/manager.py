@@ -193,7 +193,7 @@ class ModelManager:
             self.check_accepting()
             effective = config.effective(self.settings)
             out_dir = await asyncio.to_thread(self.store.new_staging_dir)
-            outcome = await self._optimize(staged, out_dir, effective)
+            outcome = await self._optimize(staged, out_dir, effective, f"the upload of {name}")
             self.check_accepting()
             metadata = await asyncio.to_thread(self._new_metadata, outcome, config, effective)
             async with self.store_lock:
@@ -243,10 +243,11 @@ class ModelManager:
                 self.metrics.forget_version(mv.name, mv.version)
 
     # ------------------------------------------------------------------ optimizing
-    async def _optimize(self, source: Path, out_dir: Path, config: EffectiveConfig) -> OptimizeOutcome:
+    async def _optimize(self, source: Path, out_dir: Path, config: EffectiveConfig, what: str) -> OptimizeOutcome:
         async with self._optimize_slots:
             self.check_accepting()
             self.optimizations += 1
+            log.info("optimizing %s", what)
             try:
                 return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify)
             except OptimizationError:
@@ -342,7 +343,7 @@ class ModelManager:
             raise UnprocessableError("the stored original does not match its checksum")
         out_dir = await asyncio.to_thread(self.store.new_staging_dir)
         try:
-            outcome = await self._optimize(original, out_dir, mv.config)
+            outcome = await self._optimize(original, out_dir, mv.config, f"{mv.name} v{mv.version} again")
             record = await asyncio.to_thread(self._optimization_record, outcome, mv.config)
             for filename, path in outcome.files().items():
                 data = await asyncio.to_thread(path.read_bytes)
