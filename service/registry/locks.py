@@ -14,9 +14,10 @@ An owner creates its lock file, locks it, then checks that the path still names 
 cleanup may have taken and unlinked a lock file in the instant between create and lock); only then does it
 create entries. So an entry whose owner's lock file is free or missing belongs to a process that is gone.
 
-**Exclusive holds** (``exclusive``, ``exclusive_async``): one process at a time prepares a fresh store or
-optimizes a stale version again. The async form polls, so a shutdown is never stuck behind another
-replica's long hold.
+**Exclusive holds** (``exclusive_async``): one process at a time prepares a fresh store or optimizes a stale
+version again. It polls, so a shutdown is never stuck behind another replica's long hold.
+
+Every lock is taken on a file opened for writing: NFS clients map ``flock`` to POSIX write locks, which need it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import fcntl
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 OWNER_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
@@ -105,6 +106,9 @@ class OwnerCheck:
         except FileNotFoundError:
             self._gone[owner] = None
             return True
+        except OSError:  # not ours to open (another user): it cannot be told gone, so it stays
+            self._alive.add(owner)
+            return False
         if try_lock(fd):
             self._gone[owner] = fd
             return True
@@ -127,17 +131,6 @@ class OwnerCheck:
                 (self.folder / f"{owner}.lock").unlink(missing_ok=True)
                 os.close(fd)
         self._gone.clear()
-
-
-@contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if missing), waiting for it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.asynccontextmanager
