@@ -367,7 +367,7 @@ class ModelManager:
         try:
             before, mv.metadata = mv.metadata, mv.metadata.with_engine(loaded.record)
             if not before.records_engine(loaded.record):
-                record = functools.partial(_with_record, loaded.record, before.optimization)
+                record = functools.partial(_with_record, loaded.record, _run_of(before.optimization))
                 await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, record)
             await mv.activate(loaded.engine)
         except BaseException:
@@ -385,13 +385,16 @@ def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:
     return None if stored.get("schema_version") == SCHEMA_VERSION else VersionMetadata.parse(stored).to_dict()
 
 
-def _with_record(
-    record: dict[str, Any], optimization: OptimizationRecord | None, stored: dict[str, Any]
-) -> dict[str, Any] | None:
+def _run_of(optimization: OptimizationRecord | None) -> tuple[str, str] | None:
+    """Which optimizer run made the stored files (its cache key and time)."""
+    return None if optimization is None else (optimization.cache_key, optimization.optimized_at)
+
+
+def _with_record(record: dict[str, Any], run: tuple[str, str] | None, stored: dict[str, Any]) -> dict[str, Any] | None:
     """The stored metadata with this device's tuner record; None when it holds it already, or when the
     version was optimized again meanwhile (the record belongs to files that are gone)."""
     current = VersionMetadata.parse(stored)
-    if current.optimization != optimization or current.records_engine(record):
+    if _run_of(current.optimization) != run or current.records_engine(record):
         return None
     return current.with_engine(stored_record(record)).to_dict()
 
