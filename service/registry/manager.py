@@ -4,7 +4,10 @@ Data paths (design.md): an upload is validated, optimized and verified in a reso
 (``sandbox``), stored atomically as the next version (``store``), loaded (the engine's tuner picks the
 fastest variant), warmed and only then returned READY; a failure at any step leaves nothing on disk. At
 startup every stored version is loaded again, reusing its optimized files while their cache key (original's
-sha256 + optimizer version + graph settings) and checksums match, otherwise optimizing again. Nothing here
+sha256 + optimizer version + graph settings) and checksums match, otherwise optimizing again (one process at
+a time per version: replicas starting together optimize it once), and reusing the tuner's record made on
+this device. Metadata changes are read-modify-writes under the store's lock, and only when something
+changed, so processes sharing the store never undo each other's records. Nothing here
 blocks the event loop: optimizing runs in a child process, loading and disk I/O in threads, inference on
 each batcher's engine threads. This package knows nothing about HTTP; it raises ``service.errors`` classes.
 """
@@ -12,9 +15,11 @@ each batcher's engine threads. This package knows nothing about HTTP; it raises 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from service.errors import (
     ConflictError,
@@ -26,12 +31,16 @@ from service.errors import (
 )
 from service.model_config import EffectiveConfig, ModelConfig
 from service.registry.acceptance import validate_model_name
+from service.registry.importer import import_models
+from service.registry.locks import exclusive_async
 from service.registry.metadata import (
+    SCHEMA_VERSION,
     OptimizationRecord,
     OriginalRecord,
     VariantRecord,
     VersionMetadata,
     now_iso,
+    stored_record,
     tensor_records,
 )
 from service.registry.sandbox import OptimizeOutcome, OptimizerRunner
@@ -63,11 +72,12 @@ def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> Engine
 class ModelManager:
     """Every model version of one server process: start, stop, upload, delete, load.
 
-    ``prepare_store``: clean the store's leftovers and install the demo model at start (only one process may do
-    that: another worker's upload in progress would be a "leftover"). ``follow_store``: with several worker
-    processes on one store, pick up every ``store_sync_s`` the versions other workers added or deleted
-    (``sync.StoreFollower``). ``engine_loader``: where engines are built (in this process, or the engine
-    process's client in a worker of several).
+    ``prepare_store``: at start, install the demo model in a fresh store and import ``model_import_dir``, under
+    the store's prepare lock (so of the replicas and workers starting together on one store, one does it and
+    the others find it done); a supervisor's later workers leave it to worker 0. ``follow_store``: pick up every
+    ``store_sync_s`` the versions other processes (workers, replicas) added or deleted (``sync.StoreFollower``);
+    on by default, as any server may share its store. ``engine_loader``: where engines are built (in this
+    process, or the engine process's client in a worker of several).
     """
 
     def __init__(
@@ -76,7 +86,7 @@ class ModelManager:
         metrics: MetricsSink | None = None,
         *,
         prepare_store: bool = True,
-        follow_store: bool = False,
+        follow_store: bool = True,
         engine_loader: EngineLoader = load_in_process,
     ) -> None:
         self.settings = settings
@@ -106,18 +116,18 @@ class ModelManager:
 
     # ------------------------------------------------------------------ startup and shutdown
     async def start(self) -> None:
-        """Clean leftovers, install the demo model in a fresh store (never used before: deleting every model
-        does not bring the demo back), load every stored version."""
+        """Remove what gone processes left in the store (never a live one's work), prepare it, load every
+        stored version not loaded yet."""
+        await asyncio.to_thread(self.store.cleanup_leftovers)
         if self.prepare_store:
-            await asyncio.to_thread(self.store.cleanup_leftovers)
+            await self._prepare()
         stored = await asyncio.to_thread(self.store.list_models)
-        if self.prepare_store and self.settings.demo_model and await asyncio.to_thread(self.store.is_fresh):
-            await self._install_demo()
         for name, numbers in stored.items():
             for number in numbers:
                 if self.stopping:
                     return
-                await self.load_stored(name, number)
+                if not self.table.has(name, number):
+                    await self.load_stored(name, number)
         self._started = True
         self.report_loaded()
         if self._follower is not None:
@@ -138,6 +148,19 @@ class ModelManager:
             if isinstance(result, BaseException):
                 log.error("stopping %s v%d failed: %s", mv.name, mv.version, result)
         self.report_loaded()
+        self.store.close()
+
+    async def _prepare(self) -> None:
+        """The demo model in a fresh store (never used: deleting every model does not bring it back; its
+        ``.last-version`` files are the marker), then the import folder; one process at a time."""
+        try:
+            async with exclusive_async(self.store.prepare_lock_path, give_up=self.check_accepting):
+                if self.settings.demo_model and await asyncio.to_thread(self.store.is_fresh):
+                    await self._install_demo()
+                if self.settings.model_import_dir is not None:
+                    await import_models(self, Path(self.settings.model_import_dir))
+        except ShuttingDownError:
+            return
 
     async def _install_demo(self) -> None:
         try:
@@ -170,7 +193,7 @@ class ModelManager:
             self.check_accepting()
             effective = config.effective(self.settings)
             out_dir = await asyncio.to_thread(self.store.new_staging_dir)
-            outcome = await self._optimize(staged, out_dir, effective)
+            outcome = await self._optimize(staged, out_dir, effective, f"the upload of {name}")
             self.check_accepting()
             metadata = await asyncio.to_thread(self._new_metadata, outcome, config, effective)
             async with self.store_lock:
@@ -220,10 +243,11 @@ class ModelManager:
                 self.metrics.forget_version(mv.name, mv.version)
 
     # ------------------------------------------------------------------ optimizing
-    async def _optimize(self, source: Path, out_dir: Path, config: EffectiveConfig) -> OptimizeOutcome:
+    async def _optimize(self, source: Path, out_dir: Path, config: EffectiveConfig, what: str) -> OptimizeOutcome:
         async with self._optimize_slots:
             self.check_accepting()
             self.optimizations += 1
+            log.info("optimizing %s", what)
             try:
                 return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify)
             except OptimizationError:
@@ -273,9 +297,9 @@ class ModelManager:
             metadata = VersionMetadata.parse(raw)
             mv = self._register(name, version, metadata, metadata.config.effective(self.settings))
             if raw.get("schema_version") != metadata.schema_version:
-                await asyncio.to_thread(self.store.write_metadata, name, version, metadata.to_dict())
+                await asyncio.to_thread(self.store.update_metadata, name, version, _migrated)
             if not await asyncio.to_thread(self._cache_valid, mv):
-                await self._reoptimize(mv)
+                await self._reoptimize_once(mv)
             await self._load(mv)
         except Exception as exc:
             log.exception("model %s version %d failed to load", name, version)
@@ -303,6 +327,15 @@ class ModelManager:
                 return False
         return True
 
+    async def _reoptimize_once(self, mv: ModelVersion) -> None:
+        """Optimize a stale version again holding its lock; a process that waited for the lock finds the
+        fresh files another one wrote and reuses them."""
+        async with exclusive_async(self.store.optimize_lock_path(mv.name, mv.version), give_up=self.check_accepting):
+            raw = await asyncio.to_thread(self.store.read_metadata, mv.name, mv.version)
+            mv.metadata = VersionMetadata.parse(raw)
+            if not await asyncio.to_thread(self._cache_valid, mv):
+                await self._reoptimize(mv)
+
     async def _reoptimize(self, mv: ModelVersion) -> None:
         assert mv.metadata is not None
         original = self.store.file_path(mv.name, mv.version, ORIGINAL)
@@ -310,15 +343,15 @@ class ModelManager:
             raise UnprocessableError("the stored original does not match its checksum")
         out_dir = await asyncio.to_thread(self.store.new_staging_dir)
         try:
-            outcome = await self._optimize(original, out_dir, mv.config)
+            outcome = await self._optimize(original, out_dir, mv.config, f"{mv.name} v{mv.version} again")
             record = await asyncio.to_thread(self._optimization_record, outcome, mv.config)
             for filename, path in outcome.files().items():
                 data = await asyncio.to_thread(path.read_bytes)
                 await asyncio.to_thread(self.store.write_artifact, mv.name, mv.version, filename, data)
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
-        mv.metadata = mv.metadata.with_optimization(record)
-        await asyncio.to_thread(self.store.write_metadata, mv.name, mv.version, mv.metadata.to_dict())
+        mv.metadata = fresh = mv.metadata.with_optimization(record)
+        await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, lambda _stored: fresh.to_dict())
 
     async def _load(self, mv: ModelVersion) -> None:
         """Load the engine (the tuner picks a variant; its record is stored), start the batcher, warm."""
@@ -328,12 +361,14 @@ class ModelManager:
                    for name, entry in mv.metadata.optimization.variants.items()},
             options=engine_options(self.settings, mv.config), precision=mv.config.precision,
             cached_choice=mv.metadata.engine, batch_limit=mv.config.max_batch_size, label=mv.name,
+            cached_records=tuple(mv.metadata.engines.values()),
         )
         loaded = await asyncio.to_thread(self._engine_loader, request)
         try:
-            if loaded.record != mv.metadata.engine:
-                mv.metadata = mv.metadata.with_engine(loaded.record)
-                await asyncio.to_thread(self.store.write_metadata, mv.name, mv.version, mv.metadata.to_dict())
+            before, mv.metadata = mv.metadata, mv.metadata.with_engine(loaded.record)
+            if not before.records_engine(loaded.record):
+                record = functools.partial(_with_record, loaded.record, _run_of(before.optimization))
+                await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, record)
             await mv.activate(loaded.engine)
         except BaseException:
             if not mv.has_engine:
@@ -343,6 +378,25 @@ class ModelManager:
     def report_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_loaded_models(self.table.ready_count())
+
+
+def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored metadata in the current schema (None: it is already)."""
+    return None if stored.get("schema_version") == SCHEMA_VERSION else VersionMetadata.parse(stored).to_dict()
+
+
+def _run_of(optimization: OptimizationRecord | None) -> tuple[str, str] | None:
+    """Which optimizer run made the stored files (its cache key and time)."""
+    return None if optimization is None else (optimization.cache_key, optimization.optimized_at)
+
+
+def _with_record(record: dict[str, Any], run: tuple[str, str] | None, stored: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored metadata with this device's tuner record; None when it holds it already, or when the
+    version was optimized again meanwhile (the record belongs to files that are gone)."""
+    current = VersionMetadata.parse(stored)
+    if _run_of(current.optimization) != run or current.records_engine(record):
+        return None
+    return current.with_engine(stored_record(record)).to_dict()
 
 
 __all__ = ["DEMO_MODEL", "ModelManager", "engine_options"]

@@ -3,8 +3,12 @@
 ``VersionMetadata.parse`` reads what any release wrote: a file without ``schema_version`` is schema 1 (the
 release before typed metadata), whose fields are those of schema 2, so migrating it means stamping the
 version; the manager writes the migrated record back at start. Unknown fields are dropped, missing
-required ones refuse the version (it is marked FAILED, the others serve). The tuner's record (``engine``)
-stays a free-form dict: its schema belongs to ``runtime.tuner``, which checks what it reuses.
+required ones refuse the version (it is marked FAILED, the others serve). The tuner's records stay free-form
+dicts: their schema belongs to ``runtime.tuner``, which checks what it reuses. ``engines`` keeps one record per
+GPU model and ONNX Runtime version (``engine_key``), so replicas on different GPUs sharing a store each reuse
+their own choice and never overwrite another's; ``engine`` is the record this process serves with (on disk:
+the last one recorded, which is all a release before ``engines`` reads). A file without ``engines`` gets it
+from ``engine``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from service.errors import UnprocessableError, printable
 from service.model_config import ModelConfig
@@ -67,7 +71,16 @@ class VersionMetadata(_Record):
     config: ModelConfig = Field(default_factory=ModelConfig)
     optimization: OptimizationRecord | None = None
     engine: dict[str, Any] | None = None
-    """The tuner's record of the engine choice (None until the version was first loaded)."""
+    """The tuner's record of the engine choice this process serves with (None until the version was loaded)."""
+    engines: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """The tuner's record for each device it was loaded on, by ``engine_key`` (without ``reused``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_from_engine(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engines" not in data and isinstance(data.get("engine"), dict):
+            return {**data, "engines": {engine_key(data["engine"]): stored_record(data["engine"])}}
+        return data
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> VersionMetadata:
@@ -91,12 +104,18 @@ class VersionMetadata(_Record):
         return Signature.from_dict({"inputs": [t.model_dump() for t in self.inputs],
                                     "outputs": [t.model_dump() for t in self.outputs]})
 
-    def with_engine(self, record: dict[str, Any] | None) -> VersionMetadata:
-        return self.model_copy(update={"engine": record})
+    def with_engine(self, record: dict[str, Any]) -> VersionMetadata:
+        """Serving with ``record``; it becomes its device's record."""
+        engines = {**self.engines, engine_key(record): stored_record(record)}
+        return self.model_copy(update={"engine": record, "engines": engines})
+
+    def records_engine(self, record: dict[str, Any]) -> bool:
+        """``record`` is what is kept for its device already (so nothing needs writing)."""
+        return self.engines.get(engine_key(record)) == stored_record(record)
 
     def with_optimization(self, record: OptimizationRecord) -> VersionMetadata:
-        """A fresh optimization: its engine choice is made again."""
-        return self.model_copy(update={"optimization": record, "engine": None})
+        """A fresh optimization: every device's engine choice is made again."""
+        return self.model_copy(update={"optimization": record, "engine": None, "engines": {}})
 
     def report(self) -> dict[str, Any] | None:
         """The optimization report of the variant being served (or the first one before loading)."""
@@ -105,6 +124,16 @@ class VersionMetadata(_Record):
         entry = variants.get(chosen) if isinstance(chosen, str) else None
         entry = entry or next(iter(variants.values()), None)
         return None if entry is None else entry.report
+
+
+def engine_key(record: dict[str, Any]) -> str:
+    """Which device a tuner record belongs to: the GPU model (or "cpu") and the ONNX Runtime version."""
+    return f"{record.get('device')} | onnxruntime {record.get('ort_version')}"
+
+
+def stored_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as kept on disk: whether this load reused it is not part of the choice."""
+    return {key: value for key, value in record.items() if key != "reused"}
 
 
 def tensor_records(signature: Signature) -> dict[str, list[TensorRecord]]:

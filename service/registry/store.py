@@ -2,18 +2,24 @@
 
 Layout::
 
-    root/.staging/                    uploads and optimizer outputs in progress (emptied at startup)
+    root/.staging/<owner>-<uuid>...   uploads and optimizer outputs in progress
+    root/.owners/<owner>.lock         held (flock) by the live process that owns the entries tagged <owner>
+    root/.lock, root/.prepare.lock    version numbers; preparing a fresh store (demo model, imports)
     root/<name>/<version>/            one complete version: original.onnx, optimized.onnx (+ variants such
-                                      as optimized-plain.onnx), metadata.json
-    root/<name>/.tmp-<uuid>/          a version being built, or being deleted (removed at startup)
+                                      as optimized-plain.onnx), metadata.json (.optimize.lock: optimizing
+                                      it again)
+    root/<name>/.tmp-<owner>-<uuid>/  a version being built, or being deleted
     root/<name>/.last-version         highest version ever allocated (numbers are never reused)
 
 Why it is built this way: a crash (kill -9, power loss) at any moment must never leave a half-visible
 version. A version is assembled in a hidden temp folder on the same filesystem, every file fsynced, and
 then appears in one ``rename``; single files are replaced the same way (temp file in the same folder,
 fsync, rename, fsync the folder). Version numbers are allocated under a lock (a thread lock plus an
-``flock`` for other processes sharing the folder), so concurrent uploads to one name get distinct
-versions. Names are validated and every path is resolved and checked to stay directly under the root.
+``flock`` for other processes sharing the folder, on this host or another), so concurrent uploads to one name
+get distinct versions; metadata is changed under the same lock by read-modify-write (``update_metadata``), so
+two processes never lose each other's changes. Every in-progress entry names its owner, and a cleanup removes
+it only once that owner is gone (``locks``): a replica that starts never removes another one's work.
+Names are validated and every path is resolved and checked to stay directly under the root.
 A full disk gives ``InsufficientStorageError`` (507) with nothing half-written.
 """
 
@@ -30,21 +36,27 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
 from service.registry.acceptance import validate_model_name
+from service.registry.locks import Claim, OwnerCheck
 
 log = logging.getLogger(__name__)
 
 ORIGINAL = "original.onnx"
 METADATA = "metadata.json"
 STAGING = ".staging"
+OWNERS = ".owners"
 _LAST_VERSION = ".last-version"
 _LOCK = ".lock"
+_PREPARE_LOCK = ".prepare.lock"
+_OPTIMIZE_LOCK = ".optimize.lock"
 _TMP_PREFIX = ".tmp-"
+_TAG_RE = re.compile(r"([0-9a-f]{16})-[0-9a-f]{32}", re.ASCII)
+"""``<owner>-<uuid>``: the tag of every in-progress entry (staging entries, temp folders, temp files)."""
 _ARTIFACT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}\.(onnx|json)", re.ASCII)
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
@@ -102,9 +114,11 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+def atomic_write(path: Path, data: bytes, *, owner: str = "") -> None:
+    """Replace ``path`` atomically: temp file in the same folder (tagged with ``owner``), fsync, rename, fsync
+    the folder."""
+    tag = f"{owner}-{uuid.uuid4().hex}" if owner else uuid.uuid4().hex
+    tmp = path.parent / f".{path.name}.{tag}.tmp"
     try:
         _write_file(tmp, data)
         os.replace(tmp, path)
@@ -123,6 +137,8 @@ def _remove(path: Path) -> None:
 
 
 class ModelStore:
+    """One process' handle on the store: it owns (``owner``) the in-progress entries it creates until ``close``."""
+
     def __init__(self, root: Path) -> None:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
@@ -130,6 +146,15 @@ class ModelStore:
         self.staging_dir = self.root / STAGING
         self.staging_dir.mkdir(exist_ok=True)
         self._lock = threading.Lock()
+        self._claim = Claim(self.root / OWNERS)
+        self.owner = self._claim.owner
+
+    def close(self) -> None:
+        """Give up the claim: whatever this store left in progress becomes a leftover for a cleanup."""
+        self._claim.close()
+
+    def _tag(self) -> str:
+        return f"{self.owner}-{uuid.uuid4().hex}"
 
     # ------------------------------------------------------------------ paths
 
@@ -159,13 +184,13 @@ class ModelStore:
 
     def new_staging_file(self, suffix: str = ".part") -> Path:
         """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
-        path = self.staging_dir / f"{uuid.uuid4().hex}{suffix}"
+        path = self.staging_dir / f"{self._tag()}{suffix}"
         with _disk_errors():
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         return path
 
     def new_staging_dir(self) -> Path:
-        path = self.staging_dir / f"{uuid.uuid4().hex}.d"
+        path = self.staging_dir / f"{self._tag()}.d"
         with _disk_errors():
             path.mkdir(mode=0o700)
         return path
@@ -194,7 +219,7 @@ class ModelStore:
             if not model_dir.is_dir():
                 model_dir.mkdir(exist_ok=True)
                 _fsync_dir(self.root)
-            building = model_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            building = model_dir / f"{_TMP_PREFIX}{self._tag()}"
             building.mkdir()
             try:
                 self._move_in(staged_original, building / ORIGINAL)
@@ -223,7 +248,7 @@ class ModelStore:
             _write_file(building / METADATA, _dump(metadata))
             _fsync_dir(building)
             os.rename(building, model_dir / str(version))  # the version appears complete, at once
-            atomic_write(model_dir / _LAST_VERSION, str(version).encode())
+            atomic_write(model_dir / _LAST_VERSION, str(version).encode(), owner=self.owner)
         return version
 
     def _next_version(self, model_dir: Path) -> int:
@@ -247,22 +272,43 @@ class ModelStore:
         if filename in (ORIGINAL, METADATA) or not _ARTIFACT_RE.fullmatch(filename):
             raise BadRequestError("invalid artifact name")
         with _disk_errors():
-            atomic_write(self.version_dir(name, version) / filename, data)
+            atomic_write(self.version_dir(name, version) / filename, data, owner=self.owner)
 
     def write_metadata(self, name: str, version: int, metadata: dict[str, Any]) -> None:
         data = dict(metadata, name=name, version=version)
         with _disk_errors():
-            atomic_write(self.version_dir(name, version) / METADATA, _dump(data))
+            atomic_write(self.version_dir(name, version) / METADATA, _dump(data), owner=self.owner)
+
+    def update_metadata(
+        self, name: str, version: int, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> bool:
+        """Read-modify-write under the store lock: ``change`` gets the metadata as stored now and returns the
+        new one, or None to leave it as it is. True when it was written."""
+        with self._locked():
+            updated = change(self.read_metadata(name, version))
+            if updated is not None:
+                self.write_metadata(name, version, updated)
+        return updated is not None
 
     def delete_version(self, name: str, version: int) -> None:
         """Remove a version: it disappears in one rename, then its files are deleted."""
         path = self.version_dir(name, version)
         model_dir = path.parent
-        trash = model_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        trash = model_dir / f"{_TMP_PREFIX}{self._tag()}"
         with self._locked():
             os.rename(path, trash)
             _fsync_dir(model_dir)
         shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ locks held for longer
+    @property
+    def prepare_lock_path(self) -> Path:
+        """Held by the one process that prepares the store (demo model, imports) at a time."""
+        return self.root / _PREPARE_LOCK
+
+    def optimize_lock_path(self, name: str, version: int) -> Path:
+        """Held while a stale version is optimized again, so replicas starting together optimize it once."""
+        return self.version_dir(name, version) / _OPTIMIZE_LOCK
 
     # ------------------------------------------------------------------ reading
 
@@ -321,37 +367,44 @@ class ModelStore:
     # ------------------------------------------------------------------ startup
 
     def cleanup_leftovers(self) -> int:
-        """Remove what a crash may have left: staging contents, temp folders and files, versions without
-        metadata. Returns how many entries were removed."""
-        removed = 0
-        for entry in self.staging_dir.iterdir():
-            _remove(entry)
-            removed += 1
-        for model_dir in self.root.iterdir():
-            if not self._is_model_dir(model_dir):
-                continue
-            versions = {str(v) for v in self._version_numbers(model_dir, complete_only=False)}
-            for entry in model_dir.iterdir():
-                if entry.name.startswith(_TMP_PREFIX) or entry.name.endswith(".tmp"):
-                    _remove(entry)
-                    removed += 1
-                elif entry.name in versions:
-                    removed += self._clean_version_dir(entry)
-        if removed:
-            log.info("store: removed %d leftover entries from an earlier run", removed)
+        """Remove what processes that are gone left behind: their staging entries, temp folders and files,
+        and versions without metadata. Entries of live owners (this one included) stay; entries without an
+        owner tag (a release before tags) go. Safe to run while other processes work. Returns how many
+        entries were removed."""
+        check = OwnerCheck(self.root / OWNERS, self.owner)
+        try:
+            removed = self._clean_entries(self.staging_dir.iterdir(), check)
+            for model_dir in self.root.iterdir():
+                if not self._is_model_dir(model_dir):
+                    continue
+                versions = {str(v) for v in self._version_numbers(model_dir, complete_only=False)}
+                temps = [e for e in model_dir.iterdir() if e.name.startswith(_TMP_PREFIX) or e.name.endswith(".tmp")]
+                removed += self._clean_entries(temps, check)
+                for entry in model_dir.iterdir():
+                    if entry.name in versions:
+                        removed += self._clean_version_dir(entry, check)
+            reaped = check.reap_lock_files()
+        finally:
+            check.close()
+        if removed or reaped:
+            log.info("store: removed %d leftover entries of %d process(es) that are gone", removed, reaped)
         return removed
 
     @staticmethod
-    def _clean_version_dir(version_dir: Path) -> int:
-        if not (version_dir / METADATA).is_file():
-            _remove(version_dir)
-            return 1
+    def _clean_entries(entries: Iterable[Path], check: OwnerCheck) -> int:
         removed = 0
-        for entry in version_dir.iterdir():
-            if entry.name.endswith(".tmp"):
+        for entry in entries:
+            tag = _TAG_RE.search(entry.name)
+            if tag is None or check.gone(tag.group(1)):
                 _remove(entry)
                 removed += 1
         return removed
+
+    def _clean_version_dir(self, version_dir: Path, check: OwnerCheck) -> int:
+        if not (version_dir / METADATA).is_file():
+            _remove(version_dir)
+            return 1
+        return self._clean_entries([e for e in version_dir.iterdir() if e.name.endswith(".tmp")], check)
 
 
 def _dump(data: dict[str, Any]) -> bytes:

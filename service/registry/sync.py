@@ -72,7 +72,7 @@ class StoreFollower:
             metadata = self._manager.store.read_metadata(name, version)
         except (OSError, ValueError, ServiceError):
             return False
-        if metadata.get("engine"):
+        if metadata.get("engines") or metadata.get("engine"):
             return True
         age = age_s(str(metadata.get("created")))
         return age is None or age > SETTLE_S

@@ -374,7 +374,8 @@ class Engine(Protocol):
 class LoadRequest:
     """A model version's engine: its optimized variants (variant name -> file path), options, precision,
     the tuner's earlier record for it (reused on the same device), the merge limit of the engine process,
-    and the model's name for logs and metrics (not part of the key)."""
+    the model's name for logs and metrics (not part of the key), and the records made on other devices
+    (replicas on other GPUs: the one of this device, if there, is reused)."""
 
     files: dict[str, str]
     options: EngineOptions
@@ -382,6 +383,7 @@ class LoadRequest:
     cached_choice: dict[str, Any] | None
     batch_limit: int
     label: str = ""
+    cached_records: tuple[dict[str, Any], ...] = ()
 
 
 @dataclasses.dataclass

@@ -18,9 +18,8 @@ def load_in_process(request: LoadRequest) -> LoadedEngine:
     from service.runtime.tuner import select_variant
 
     candidates = {name: onnx.load(path, load_external_data=False) for name, path in request.files.items()}
-    engine, record = select_variant(
-        candidates, request.options, precision=request.precision, cached_choice=request.cached_choice
-    )
+    engine, record = select_variant(candidates, request.options, precision=request.precision,
+                                    cached_choice=request.cached_choice, cached_records=request.cached_records)
     return LoadedEngine(engine, record)
 
 

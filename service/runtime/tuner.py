@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -253,6 +253,17 @@ def _cached_config(
     return config if config in configs else None
 
 
+def _first_cached(
+    records: Sequence[Mapping[str, Any] | None], device: str, configs: list[Config]
+) -> tuple[Mapping[str, Any] | None, Config | None]:
+    """The first record made on this GPU and ORT version whose choice is still allowed, and that choice."""
+    for record in records:
+        config = _cached_config(record, device, configs)
+        if config is not None:
+            return record, config
+    return None, None
+
+
 def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: EngineOptions) -> OrtEngine:
     return _load_model(candidates[config.variant], config, settings)
 
@@ -287,10 +298,12 @@ def select_variant(
     precision: str = "fp32",
     budget_s: float | None = None,
     cached_choice: dict | None = None,
+    cached_records: Sequence[dict] = (),
 ) -> tuple[OrtEngine | SplitEngine, dict]:
     """Return the fastest engine among the candidates (others closed) and the JSON-able record.
 
-    ``settings.tune_budget_s`` 0 (and no ``budget_s``): the first configuration is served untimed."""
+    ``settings.tune_budget_s`` 0 (and no ``budget_s``): the first configuration is served untimed. The first of
+    ``cached_choice`` and ``cached_records`` made on this GPU and ORT version is reused without timing."""
     if not candidates:
         raise ValueError("select_variant needs at least one candidate model")
     if precision not in PRECISIONS:
@@ -300,10 +313,10 @@ def select_variant(
         return _select_cpu(candidates, settings, precision)
     device = gpu_name(settings.device_id) or f"cuda:{settings.device_id}"
     configs = _configs(candidates, settings, precision)
-    cached = _cached_config(cached_choice, device, configs)
+    reusable, cached = _first_cached([cached_choice, *cached_records], device, configs)
     if cached is not None:
         engine = _load(candidates, cached, settings)
-        record = dict(cached_choice or {})
+        record = dict(reusable or {})
         record["reused"] = True
         return _with_cached_split(engine, candidates, settings, configs, record), record
     budget = settings.tune_budget_s if budget_s is None else budget_s

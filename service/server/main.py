@@ -1,11 +1,23 @@
-"""``serve(settings) -> exit code``: one server process, or a supervisor of several (``workers`` > 1)."""
+"""``serve(settings) -> exit code``: one server process, or a supervisor of several (``workers`` > 1).
+
+Either way the model store's filesystem is checked first (``registry.fs_probe``): a store whose file locks
+do not exclude other processes could hand two uploads one version number or remove another replica's upload
+in progress, so such a server refuses to start with one line saying why."""
 
 from __future__ import annotations
 
+import sys
+
+from service.registry.fs_probe import StoreFilesystemError, check_store_filesystem
 from service.server.run import serve_single
 from service.server.supervisor import serve_workers
 from service.settings import ServiceSettings
 
 
 def serve(settings: ServiceSettings) -> int:
+    try:
+        check_store_filesystem(settings.model_dir)
+    except StoreFilesystemError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return serve_workers(settings) if settings.workers > 1 else serve_single(settings)

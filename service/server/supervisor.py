@@ -14,13 +14,13 @@ How:
   listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up
   to 100 per wake-up), an ad hoc check gave 13/10/8/1, and on the H200 4 workers served no more than 1
   (bench/results/service-2026-11-30-cuda.json; that this was the cause is likely, not verified there).
-* Worker 0 starts first, alone. It cleans the store, installs the demo model, optimizes stale versions
-  again, and records each version's engine choice, so the tuner runs once. The other workers start once
-  worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
+* Worker 0 starts first, alone. It prepares the store (the demo model, the import folder), optimizes stale
+  versions again, and records each version's engine choice, so the tuner runs once. The other workers start
+  once worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
   connections only when their models are loaded, so the shared port never routes to a worker that
-  cannot serve.
+  cannot serve. (Every process removes what gone processes left in the store; a live one's work stays.)
 * Uploads and deletes go to whichever worker receives them; the others follow the store every
-  ``store_sync_s`` (``ModelRegistry.sync_with_store``). A new version reaches the other workers once its
+  ``store_sync_s`` (``registry.sync.StoreFollower``). A new version reaches the other workers once its
   loader has recorded the engine choice, i.e. right after the upload's 201 plus their own load time;
   until then a request that lands on another worker may get 404 for a brand-new model.
 * Metrics: ``PROMETHEUS_MULTIPROC_DIR`` points at a fresh folder, so ``/metrics`` from any worker covers

@@ -637,7 +637,7 @@ def test_a_second_worker_follows_uploads_and_deletes_through_the_store(tmp_path)
         meta_path = tmp_path / "tiny" / "1" / "metadata.json"
         recorded = meta_path.read_bytes()
         unsettled = json.loads(recorded)
-        unsettled["engine"] = None  # as if A were still loading it
+        unsettled["engine"], unsettled["engines"] = None, {}  # as if A were still loading it
         meta_path.write_text(json.dumps(unsettled))
         await follower.sync()
         names_while_loading = b.table.names()

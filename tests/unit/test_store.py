@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +29,11 @@ def add(store: ModelStore, name: str, content: bytes, **meta) -> int:
 
 def test_versions_are_numbered_and_complete(tmp_path):
     store = ModelStore(tmp_path)
-    assert store.new_staging_file().parent == store.staging_dir
+    probe = store.new_staging_file()
+    assert probe.parent == store.staging_dir and probe.name.startswith(store.owner)
     store.cleanup_leftovers()
+    assert probe.exists(), "a live store's own staging file is not a leftover"
+    probe.unlink()
     assert add(store, "m", b"one", note="first") == 1
     assert add(store, "m", b"two") == 2
     assert add(store, "other", b"x") == 1
@@ -90,21 +96,29 @@ def test_leftovers_of_a_crash_are_invisible_and_cleaned(tmp_path):
     store = ModelStore(tmp_path)
     add(store, "m", b"good")
     model_dir = tmp_path / "m"
+    crashed = ModelStore(tmp_path)  # a process that dies with work in progress (its claim is let go)
+    tag = f"{crashed.owner}-{'ab' * 16}"
     # a version being built when the process died, a version folder without metadata, temp files
-    (model_dir / ".tmp-deadbeef").mkdir()
-    (model_dir / ".tmp-deadbeef" / ORIGINAL).write_bytes(b"half")
+    (model_dir / f".tmp-{tag}").mkdir()
+    (model_dir / f".tmp-{tag}" / ORIGINAL).write_bytes(b"half")
     (model_dir / "7").mkdir()
     (model_dir / "7" / ORIGINAL).write_bytes(b"no metadata yet")
-    (model_dir / ".metadata.json.abc.tmp").write_bytes(b"{")
-    (model_dir / "1" / ".optimized.onnx.abc.tmp").write_bytes(b"partial")
-    stage(store, b"upload in progress")
-    store.new_staging_dir()
+    (model_dir / f".metadata.json.{tag}.tmp").write_bytes(b"{")
+    (model_dir / "1" / f".optimized.onnx.{tag}.tmp").write_bytes(b"partial")
+    stage(crashed, b"upload in progress")
+    crashed.new_staging_dir()
+    (model_dir / ".tmp-0123456789abcdef0123456789abcdef").mkdir()  # no owner tag: a release before tags
     assert store.list_models() == {"m": [1]}  # incomplete versions are never visible
-    assert store.cleanup_leftovers() == 6
+    # the untagged folder and the version without metadata; the crashed store's entries wait for its claim
+    assert store.cleanup_leftovers() == 2
+    assert sorted(p.name for p in crashed.staging_dir.iterdir())[0].startswith(crashed.owner)
+    crashed.close()
+    assert store.cleanup_leftovers() == 5
     assert sorted(p.name for p in model_dir.iterdir() if not p.name.startswith(".last")) == ["1"]
     remaining = sorted(p.name for p in (model_dir / "1").iterdir())
     assert remaining == sorted([ORIGINAL, METADATA, "optimized.onnx"])
     assert list(store.staging_dir.iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / ".owners").iterdir()) == [f"{store.owner}.lock"]
     assert store.cleanup_leftovers() == 0
 
 
@@ -195,3 +209,78 @@ def test_cache_key_and_sha256(tmp_path):
     assert base != cache_key("ab", "1", {"fused_conv": True, "verify": True})
     assert base != cache_key("aa", "2", {"fused_conv": True, "verify": True})
     assert base != cache_key("aa", "1", {"fused_conv": False, "verify": True})
+
+
+# ---------------------------------------------------------------------------------------------- other processes
+ROOT = Path(__file__).resolve().parents[2]
+_ADDER = """
+import sys, time
+from pathlib import Path
+from service.registry.store import ModelStore
+root, index, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+store = ModelStore(root)
+staged = []
+for i in range(count):
+    path = store.new_staging_file()
+    path.write_bytes(f"{index}:{i};".encode() * 5000)
+    staged.append(path)
+(root / f"ready-{index}").touch()
+while not (root / "go").exists():
+    time.sleep(0.002)
+for i, path in enumerate(staged):
+    store.add_version("same", path, metadata={"by": f"{index}:{i}"})
+"""
+
+
+def _python(script: str, *args: object, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, **kwargs)
+
+
+def test_processes_adding_to_one_name_at_once_get_distinct_whole_versions(tmp_path):
+    """The flock on the store's lock file allocates version numbers across processes, not only threads."""
+    procs, count = 3, 6
+    children = [_python(_ADDER, tmp_path, i, count) for i in range(procs)]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(procs)):
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children), "a child failed to start"
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert [c.wait(timeout=60) for c in children] == [0] * procs
+    store = ModelStore(tmp_path)
+    assert store.list_models() == {"same": list(range(1, procs * count + 1))}
+    seen = set()
+    for version in range(1, procs * count + 1):
+        by = store.read_metadata("same", version)["by"]
+        assert store.file_path("same", version, ORIGINAL).read_bytes() == f"{by};".encode() * 5000
+        seen.add(by)
+    assert len(seen) == procs * count
+
+
+_STAGER = """
+import sys, time
+from pathlib import Path
+from service.registry.store import ModelStore
+store = ModelStore(Path(sys.argv[1]))
+path = store.new_staging_file()
+path.write_bytes(b"an upload still streaming in")
+building = store.new_staging_dir()
+print(path, building, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_cleanup_leaves_a_live_process_work_alone_and_removes_it_once_that_process_is_killed(tmp_path):
+    child = _python(_STAGER, tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        staged, building = map(Path, child.stdout.readline().split())
+        store = ModelStore(tmp_path)  # a replica starting while the other one uploads
+        assert store.cleanup_leftovers() == 0
+        assert staged.read_bytes() == b"an upload still streaming in" and building.is_dir()
+        child.kill()  # kill -9: nothing runs in the child
+        child.wait(timeout=10)
+        assert store.cleanup_leftovers() == 2
+        assert not staged.exists() and not building.exists()
+        assert [p.name for p in (tmp_path / ".owners").iterdir()] == [f"{store.owner}.lock"]
+    finally:
+        child.kill()
+        child.wait(timeout=10)
