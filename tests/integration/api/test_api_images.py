@@ -296,3 +296,17 @@ async def test_the_only_model_is_used_when_none_is_named(tmp_path) -> None:
         await upload(client, "only", image_kit.classifier(), image_kit.CONFIG)
         got = _predictions(await client.post("/predict", content=JPEGS[0], headers={"content-type": "image/jpeg"}))
         assert_same_top(got, image_kit.top_k(image_kit.classifier(), JPEGS[:1]))
+
+
+async def test_an_image_model_is_reused_from_the_store_after_a_restart(tmp_path) -> None:
+    """Config, labels and the folded graph come back from the store: no optimizer run at the second start."""
+    settings = make_settings(tmp_path)
+    async with serve_app(settings) as client:
+        await upload(client, "cls", image_kit.classifier(), image_kit.CONFIG)
+        first = _predictions(await client.post("/predict", content=PNG, headers={"content-type": "image/png"}))
+    async with serve_app(settings) as again:
+        assert again.app.state.manager.optimizations == 0
+        assert (await again.get("/v2/models/cls")).json()["inputs"][0]["datatype"] == "UINT8"
+        assert (await again.get("/v1/models/cls/labels")).json()["labels"] == list(LABELS)
+        second = _predictions(await again.post("/predict", content=PNG, headers={"content-type": "image/png"}))
+    assert second == first
