@@ -13,9 +13,12 @@ bytes. Every decode failure is the ``ServiceError`` ``service.imaging`` raises (
 413 too many pixels, 415 not JPEG/PNG), naming the image by its index in the request.
 
 KServe BYTES tensors (``bytes_elements``): each element is a 4-byte little-endian length and that many bytes,
-as Triton's binary extension and its gRPC ``raw_input_contents`` carry them. A gRPC front end calls
-``bytes_elements`` on ``raw_input_contents`` (or takes ``contents.bytes_contents`` as they are) and then
-``DataPlane.image_request``.
+as Triton's binary extension and its gRPC ``raw_input_contents`` carry them. A gRPC front end, for a
+BYTES input named ``image_input_name(mv)``: ``count = image_tensor_count(name, shape)``, the elements from
+``bytes_elements(raw_input_contents[i], count, name)`` (or ``contents.bytes_contents``, ``count`` of them),
+then ``await dataplane.image_request(mv, elements, outputs)``; for an output asked with
+``parameters["classification"] = k``: ``classification(mv, name, scores, k)`` (bytes elements, sent as a
+BYTES output: ``serialize_bytes`` for ``raw_output_contents``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,20 @@ async def image_request(
     assert mv.config.preprocess is not None
     batch = await decoder.decode(images, mv.config.preprocess)
     return mv.signature.request({spec.name: batch}, outputs)
+
+
+def image_tensor_count(name: str, shape: Sequence[int]) -> int:
+    """The number of encoded images in a BYTES tensor of ``shape`` (``[N]`` or ``[N, 1]``, the Triton
+    convention), checked before anything is read: InvalidInputError for another shape, PayloadTooLargeError
+    (413) past ``MAX_IMAGES`` (the model's own limit follows in ``image_request``)."""
+    dims = list(shape)
+    if len(dims) not in (1, 2) or dims[0] < 1 or dims[1:] not in ([], [1]):
+        raise InvalidInputError(
+            f"input {name!r}: encoded images come as a BYTES tensor of shape [N] or [N, 1], received {dims}"
+        )
+    if dims[0] > MAX_IMAGES:
+        raise PayloadTooLargeError(f"{dims[0]} images in one request; at most {MAX_IMAGES}")
+    return dims[0]
 
 
 def bytes_elements(buffer: bytes | memoryview, count: int, name: str) -> list[bytes]:

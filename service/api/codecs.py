@@ -20,8 +20,8 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from service.errors import BadRequestError, InvalidInputError, PayloadTooLargeError, first_line
-from service.image_requests import MAX_IMAGES, bytes_elements, serialize_bytes
+from service.errors import BadRequestError, InvalidInputError, first_line
+from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
 from service.imaging.config import MAX_TOP_K
 from service.runtime.contract import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, InferenceRequest, Signature
 
@@ -216,14 +216,9 @@ def _decode_v2_inputs(
 def v2_images(name: str, shape: list[int], data: Any, raw: memoryview | None) -> list[bytes]:
     """Encoded images sent as a KServe BYTES tensor of shape ``[N]`` or ``[N, 1]``: binary (each element
     a 4-byte little-endian length + the image, as tritonclient serializes BYTES) or JSON ``data`` of base64
-    strings (a JPEG is no UTF-8 text). At most ``MAX_IMAGES`` (413), checked before anything is decoded."""
-    if len(shape) not in (1, 2) or shape[0] < 1 or shape[1:] not in ([], [1]):
-        raise InvalidInputError(
-            f"input {name!r}: encoded images come as a BYTES tensor of shape [N] or [N, 1], received {shape}"
-        )
-    count = shape[0]
-    if count > MAX_IMAGES:
-        raise PayloadTooLargeError(f"{count} images in one request; at most {MAX_IMAGES}")
+    strings (a JPEG is no UTF-8 text). At most ``image_requests.MAX_IMAGES`` (413), checked before anything is
+    decoded."""
+    count = image_tensor_count(name, shape)
     if raw is not None:
         return bytes_elements(raw, count, name)
     if not isinstance(data, list):
