@@ -15,9 +15,12 @@ Series, all of the same 640x480 photo (tests/helpers/images.py, JPEG quality 90)
 
 Per series and concurrency (N workers, each sending its next request as soon as the last returns, for a
 fixed window after a warm-up; bench/service.py's raw asyncio client): requests/s, p50/p99 latency, and
-the bytes each request and answer put on the wire. Target: uint8 requests at least as many per second as
-float32 ones. Client and server share the host (a 2-core CPU machine takes a real share for the client);
-compare series of one run, not runs. Writes ``bench/results/image-service-<date>-<cpu|cuda>.json``.
+the bytes each request and answer put on the wire, and ``edge_cost_us``: in the benchmark's process, the
+median time from the request body to the model's input array (the codec, plus decode + resize + crop for
+images), the server's per-request work before the engine without the engine's noise. Target: uint8
+requests at least as many per second as float32 ones. Client and server share the host (a 2-core CPU
+machine takes a real share for the client); compare series of one run, not runs. Writes
+``bench/results/image-service-<date>-<cpu|cuda>.json``.
 """
 
 from __future__ import annotations
@@ -96,6 +99,36 @@ def wire_bytes(url: str, payload: Payload) -> dict[str, int]:
             "response_bytes": answer_head + len(reply.content), "response_body_bytes": len(reply.content)}
 
 
+def edge_cost_us(payload: Payload, metadata: dict[str, Any], runs: int = 40) -> float:
+    """Median microseconds, in this process, from the request body to the model's checked input array: the
+    server's per-request work before the engine, without the engine's or the loop's noise (the V2 codec;
+    for images also the decode, resize and crop on one thread)."""
+    from service.api.codecs import decode_v2_request
+    from service.imaging import Preprocess, assemble_batch, decode_image
+    from service.runtime.contract import Signature
+
+    preprocess = Preprocess()
+    signature = Signature.from_dict(metadata)
+    name = metadata["inputs"][0]["name"]
+    if payload.series == "binary_float32":
+        signature = Signature.from_dict({**metadata, "inputs": [{**metadata["inputs"][0], "datatype": "FP32"}]})
+
+    def once() -> None:
+        if payload.series == "jpeg":
+            assemble_batch([decode_image(payload.body, preprocess)], preprocess)
+            return
+        decoded = decode_v2_request(payload.body, payload.headers[HEADER], signature, name)
+        for index, image in enumerate(decoded.images or ()):
+            assemble_batch([decode_image(image, preprocess, index=index)], preprocess)
+
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        once()
+        times.append((time.perf_counter() - started) * 1e6)
+    return common.median(times)
+
+
 def prepare(url: str) -> dict[str, Any]:
     """Upload the float twin of the demo; return the demo's V2 metadata."""
     from service import zoo
@@ -108,10 +141,10 @@ def prepare(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/v2/models/{DEMO}", timeout=10).json()
 
 
-def measure(url: str, series: Sequence[Payload], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(url: str, series: Sequence[Payload], args: argparse.Namespace, meta: dict[str, Any]) -> list[dict]:
     rows = []
     for payload in series:
-        sizes = wire_bytes(url, payload)
+        sizes = {**wire_bytes(url, payload), "edge_cost_us": edge_cost_us(payload, meta)}
         for concurrency in args.concurrency:
             point = run_point(url, payload, concurrency, args.warmup, args.duration, procs=1, client="raw")
             rate = point.requests / point.seconds if point.seconds else float("nan")
@@ -120,7 +153,8 @@ def measure(url: str, series: Sequence[Payload], args: argparse.Namespace) -> li
                    "requests": point.requests, "errors": point.errors, "first_error": point.first_error, **sizes}
             rows.append(row)
             print(f"  {payload.series:15s} c={concurrency:3d}: {rate:8.1f} req/s  p50 {row['p50_ms']:7.2f} ms  "
-                  f"p99 {row['p99_ms']:7.2f} ms  {sizes['request_bytes']:7d} B out  errors {point.errors}",
+                  f"p99 {row['p99_ms']:7.2f} ms  {sizes['request_bytes']:7d} B out  edge "
+                  f"{sizes['edge_cost_us']:7.0f} us  errors {point.errors}",
                   flush=True)
     return rows
 
@@ -165,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta = prepare(srv.url)
             series = payloads(images.jpeg(640, 480, seed=0), meta["inputs"][0]["name"], meta["outputs"][0]["name"])
             started = time.perf_counter()
-            rows = measure(srv.url, series, args)
+            rows = measure(srv.url, series, args, meta)
         document = {
             "benchmark": "image-service", "models": {DEMO: meta["inputs"][0], FLOAT: "the same graph, FP32 input"},
             "engine_device": device, "image": "640x480 JPEG, quality 90 (tests/helpers/images.py, seed 0)",
