@@ -205,8 +205,9 @@ _DATATYPES = {"<f4": "FP32", "<f2": "FP16", "|u1": "UINT8"}
 
 
 def binary_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
-    """KServe V2 binary extension: JSON header + raw input (float32, float16 or uint8); binary output requested.
-    A sample with a leading dimension of N > 1 makes the series ``binary_bN``: each request carries N samples."""
+    """KServe V2 binary extension: JSON header + the raw input (float32, float16, or uint8 for an image model
+    such as the demo since 2026-12-02); binary output requested. A sample with a leading dimension of N > 1
+    makes the series ``binary_bN``: each request carries N samples."""
     header = {
         "inputs": [
             {
@@ -227,7 +228,7 @@ def binary_payload(model: str, input_name: str, output_name: str, sample: np.nda
 
 def json_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
     """JSON /predict, floats rounded to 4 decimals (in float64: a float32 0.1234 would print 17 digits)."""
-    values = np.round(sample.astype(np.float64), 4).tolist()
+    values = sample.tolist() if sample.dtype == np.uint8 else np.round(sample.astype(np.float64), 4).tolist()
     body = json.dumps({"model": model, "inputs": {input_name: values}}).encode()
     headers = {"Content-Type": "application/json"}
     return Payload("json", "/predict", body, headers, sample.shape[0], output_name, out_count)
@@ -240,7 +241,12 @@ def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_
     if not match:
         raise ValueError(f"unknown series {series!r}: binary, json or binary_bN")
     samples = int(match.group(1) or 1)
-    sample = np.random.default_rng(0).standard_normal((samples, *input_meta["shape"][1:]), dtype=np.float32)
+    shape = (samples, *input_meta["shape"][1:])
+    rng = np.random.default_rng(0)
+    if input_meta.get("datatype") == "UINT8":  # an image model's pixels (the demo since 2026-12-02)
+        sample = rng.integers(0, 256, shape, dtype=np.uint8)
+    else:
+        sample = rng.standard_normal(shape, dtype=np.float32)
     maker = json_payload if series == "json" else binary_payload
     return maker(DEMO_MODEL, input_meta["name"], output_name, sample, out_count)
 
@@ -252,7 +258,10 @@ def response_ok(payload: Payload, status: int, headers: Any, content: bytes) -> 
     if payload.series.startswith("binary"):
         length = headers.get("inference-header-content-length")
         return length is not None and len(content) - int(length) == payload.samples * payload.output_count * 4
-    values = np.asarray(json.loads(content)["outputs"][payload.output_name])
+    doc = json.loads(content)
+    if "predictions" in doc:  # /predict with images: one top-k list per image
+        return len(doc["predictions"]) == payload.samples
+    values = np.asarray(doc["outputs"][payload.output_name])
     return values.size == payload.samples * payload.output_count
 
 

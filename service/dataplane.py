@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from service import image_requests
 from service.errors import BadRequestError
+from service.image_requests import ImageDecoder
 from service.model_config import ModelConfig
 from service.registry.acceptance import validate_model_name
 from service.registry.manager import ModelManager
@@ -25,7 +27,7 @@ from service.runtime.contract import InferenceRequest, TensorSpec
 
 SERVER_NAME = "onnx-cnn-serve"
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration"]
 _VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
@@ -58,6 +60,8 @@ class DataPlane:
         self.manager = manager
         self.shutting_down = False
         self.start_failed: str | None = None
+        self.images = ImageDecoder()
+        """This process's image decoding pool (``image_request``)."""
 
     # ------------------------------------------------------------------ health
     @property
@@ -121,6 +125,13 @@ class DataPlane:
     async def infer(self, mv: ModelVersion, request: InferenceRequest, *, alone: bool = False) -> InferenceResult:
         """Run a request that passed ``mv.signature``; ``alone``: the caller knows of no other in progress."""
         return await mv.infer(request, alone=alone)
+
+    async def image_request(
+        self, mv: ModelVersion, images: Sequence[bytes], outputs: Sequence[str] | None = None
+    ) -> InferenceRequest:
+        """Encoded images (JPEG/PNG) -> ``mv``'s checked request, decoded off the event loop against its
+        preprocessing (``image_requests``); 415 for a model without one, 413 for too many images."""
+        return await image_requests.image_request(self.images, mv, images, outputs)
 
     # ------------------------------------------------------------------ repository
     def new_staging_file(self) -> Path:

@@ -4,6 +4,12 @@
 service default", so a stored model follows later changes of the defaults. Each field's bounds are the very
 types of ``service.settings``, so no per-model value can exceed what an operator could configure globally.
 ``ModelConfig.effective(settings)`` resolves it into the ``EffectiveConfig`` the registry uses.
+
+``preprocess`` and ``postprocess`` (``service.imaging.config``) make the model an image model: what the
+server does with images a client sends (decode, resize, crop, normalise) and with the scores it returns
+(softmax, top-k, labels). They are checked against the model when it is uploaded (the registry's
+``image_config``). With ``preprocess.wire_dtype`` uint8 (the default) the normalisation is folded into the
+served graph, so it is part of the optimizer's cache key (``EffectiveConfig.graph_fields``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.imaging.config import Postprocess, Preprocess
 from service.settings import Buckets, MaxBatchSize, MaxDelayMs, Precision, QueueSize, ServiceSettings, TimeoutS
+
+MAX_DESCRIPTION = 1000
+"""Longest model description, in characters."""
 
 
 class ModelConfig(BaseModel):
@@ -30,10 +40,34 @@ class ModelConfig(BaseModel):
     )
     buckets: Buckets | None = Field(None, description="Batch-size buckets of the engine.")
     fused_conv: bool | None = Field(None, description="Allow the com.microsoft.FusedConv variant.")
+    preprocess: Preprocess | None = Field(
+        None, description="The model takes images: how to decode, resize, crop and normalise them."
+    )
+    postprocess: Postprocess | None = Field(
+        None, description="The model is a classifier: softmax, top-k and labels of its first output."
+    )
+    description: str | None = Field(
+        None, max_length=MAX_DESCRIPTION, description="What the model is, for people (shown with the model)."
+    )
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that were set (JSON-able), as stored in the metadata."""
-        return self.model_dump(mode="json", exclude_none=True)
+        """The fields that were set (JSON-able), as stored in the metadata. ``preprocess`` and
+        ``postprocess`` keep their null fields (a null ``resize`` means "no resize", not the default)."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude={"preprocess", "postprocess"})
+        for key in ("preprocess", "postprocess"):
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = value.model_dump(mode="json")
+        return data
+
+    def with_labels(self, labels: tuple[str, ...]) -> ModelConfig:
+        """The same config with ``labels`` as the classifier's labels (a ``postprocess`` with the defaults
+        when there is none); ValueError when the config lists labels already."""
+        postprocess = self.postprocess or Postprocess()
+        if postprocess.labels is not None:
+            raise ValueError("labels are given twice (in the config's postprocess and as a labels file)")
+        merged = Postprocess.model_validate({**postprocess.model_dump(), "labels": labels})
+        return self.model_copy(update={"postprocess": merged})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ModelConfig:
@@ -51,6 +85,8 @@ class ModelConfig(BaseModel):
             buckets=_pick(self.buckets, settings.buckets),
             fused_conv=_pick(self.fused_conv, settings.fused_conv),
             verify=settings.verify,
+            preprocess=self.preprocess,
+            postprocess=self.postprocess,
         )
 
 
@@ -70,13 +106,34 @@ class EffectiveConfig:
     buckets: tuple[int, ...]
     fused_conv: bool
     verify: bool
+    preprocess: Preprocess | None = None
+    postprocess: Postprocess | None = None
+
+    @property
+    def folds_normalization(self) -> bool:
+        """The served graph takes raw pixels and normalises them itself (``preprocess.wire_dtype`` uint8)."""
+        return self.preprocess is not None and self.preprocess.wire_dtype == "uint8"
 
     def graph_fields(self) -> dict[str, Any]:
         """The settings that change the optimized graph(s), or whether they were verified: part of the
-        store's cache key (a model optimized without verification is redone once verification is on)."""
-        return {"fused_conv": self.fused_conv, "verify": self.verify}
+        store's cache key (a model optimized without verification is redone once verification is on).
+        The folded normalisation is listed only when there is one, so a model without it keeps the key
+        it had before image models existed."""
+        fields: dict[str, Any] = {"fused_conv": self.fused_conv, "verify": self.verify}
+        if self.folds_normalization:
+            assert self.preprocess is not None
+            p = self.preprocess
+            fields["input_normalization"] = {"layout": p.layout, "scale": p.scale, "mean": list(p.mean3),
+                                             "std": list(p.std3), "wire_dtype": p.wire_dtype}
+        return fields
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        """JSON-able, for the management API: the labels are counted, not listed (see the labels route)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["buckets"] = list(self.buckets)
+        data["preprocess"] = None if self.preprocess is None else self.preprocess.model_dump(mode="json")
+        post = self.postprocess
+        data["postprocess"] = None if post is None else {
+            "softmax": post.softmax, "top_k": post.top_k, "label_count": 0 if post.labels is None else len(post.labels)
+        }
         return data

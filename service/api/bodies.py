@@ -27,6 +27,9 @@ from service.errors import (
 MIB = 1024 * 1024
 WRITE_CHUNK = MIB  # bytes gathered before one (threaded) file write
 MAX_FORM_FIELD = 64 * 1024  # the multipart ``config`` field
+MAX_LABELS_FIELD = 512 * 1024  # the multipart ``labels`` field (within MULTIPART_OVERHEAD)
+TEXT_FIELDS = {"config": MAX_FORM_FIELD, "labels": MAX_LABELS_FIELD}
+"""Small text fields an upload form may carry besides ``file``, and their limits in bytes."""
 MULTIPART_OVERHEAD = MIB  # boundaries, part headers and the config field on top of the file limit
 
 
@@ -137,7 +140,7 @@ class _FormState:
         self.disposition = b""
         self.current: str | None = None
         self.seen: set[str] = set()
-        self.config = bytearray()
+        self.texts: dict[str, bytearray] = {}
         self.ended = False
 
     def callbacks(self) -> dict[str, object]:
@@ -163,8 +166,10 @@ class _FormState:
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self.disposition)
         name = options.get(b"name", b"").decode("latin-1")
-        if name not in ("file", "config"):
-            raise BadRequestError(f"unexpected form field {name[:64]!r}; send 'file' and optionally 'config'")
+        if name != "file" and name not in TEXT_FIELDS:
+            raise BadRequestError(
+                f"unexpected form field {name[:64]!r}; send 'file' and optionally 'config' and 'labels'"
+            )
         if name in self.seen:
             raise BadRequestError(f"form field {name!r} given twice")
         self.seen.add(name)
@@ -173,10 +178,13 @@ class _FormState:
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         if self.current == "file":
             self.sink.add(data[start:end])
-        elif self.current == "config":
-            self.config.extend(data[start:end])
-            if len(self.config) > MAX_FORM_FIELD:
-                raise PayloadTooLargeError(f"form field 'config' is larger than {MAX_FORM_FIELD} bytes")
+        elif self.current is not None:
+            text = self.texts.setdefault(self.current, bytearray())
+            text.extend(data[start:end])
+            if len(text) > TEXT_FIELDS[self.current]:
+                raise PayloadTooLargeError(
+                    f"form field {self.current!r} is larger than {TEXT_FIELDS[self.current]} bytes"
+                )
 
     def on_end(self) -> None:
         self.ended = True
@@ -184,6 +192,13 @@ class _FormState:
 
 async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> str | None:
     """Stream the ``file`` field of a multipart form into ``dest``; returns the ``config`` field."""
+    return (await stream_multipart_form(request, dest, limit)).get("config")
+
+
+async def stream_multipart_form(request: Request, dest: Path, limit: int) -> dict[str, str]:
+    """Stream the ``file`` field of a multipart form into ``dest``; returns the text fields given
+    (``TEXT_FIELDS``: ``config``, ``labels``), decoded as UTF-8 (400 for labels that are not; the config's
+    JSON parser names what is wrong with it)."""
     _, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if not boundary:
@@ -208,7 +223,16 @@ async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> s
         raise BadRequestError("the multipart body is truncated (no closing boundary)")
     if "file" not in state.seen or state.sink.size == 0:
         raise BadRequestError("the multipart form has no (or an empty) 'file' field")
-    return state.config.decode("utf-8", errors="replace") if "config" in state.seen else None
+    return {name: _utf8(state.texts.get(name, b""), name) for name in TEXT_FIELDS if name in state.seen}
+
+
+def _utf8(data: bytes | bytearray, name: str) -> str:
+    if name == "config":
+        return bytes(data).decode("utf-8", errors="replace")
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"form field {name!r} is not UTF-8 text (byte {exc.start})") from None
 
 
 def _feed(parser: MultipartParser, chunk: bytes) -> None:

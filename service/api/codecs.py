@@ -12,7 +12,7 @@ import io
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,8 +21,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from service.errors import BadRequestError, InvalidInputError, first_line
+from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
+from service.imaging.config import MAX_TOP_K
 from service.runtime.contract import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, InferenceRequest, Signature
 
+from .images import decode_base64
 from .schemas import InferRequest, PredictRequest
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -84,12 +87,28 @@ def _to_array(name: str, value: Any, dtype: np.dtype) -> np.ndarray:
     if not isinstance(value, list):
         raise InvalidInputError(f"input {name!r}: expected a (nested) list of numbers")
     try:
+        if dtype.kind in "iu":
+            return _integers(name, np.asarray(value), dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # out-of-range floats become inf (documented)
             return np.asarray(value, dtype=dtype)
     except _CONVERSION_ERRORS as exc:
         raise InvalidInputError(
             f"input {name!r}: not a rectangular array of {dtype} values ({first_line(exc, 160)})"
         ) from None
+
+
+def _integers(name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """JSON numbers for an integer input (uint8 pixels): whole numbers within the dtype's range, never
+    silently truncated (normalised floats sent to a uint8 image model would otherwise become zeros)."""
+    fractions = arr.dtype.kind != "f" or not np.array_equal(arr, np.trunc(arr))
+    if arr.size and arr.dtype.kind not in "iub" and fractions:
+        raise InvalidInputError(f"input {name!r}: takes {NUMPY_TO_KSERVE[dtype]} whole numbers, "
+                                "received fractions or non-numbers")  # fmt: skip
+    info = np.iinfo(dtype)
+    if arr.size and (arr.min() < info.min or arr.max() > info.max):
+        raise InvalidInputError(f"input {name!r}: values must lie in [{info.min}, {info.max}] for "
+                                f"{NUMPY_TO_KSERVE[dtype]}")  # fmt: skip
+    return arr.astype(dtype)
 
 
 def outputs_payload(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -106,11 +125,17 @@ def _jsonable(arr: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ KServe V2
 @dataclass
 class V2Request:
-    """A decoded V2 inference request, checked against the model's signature."""
+    """A decoded V2 inference request, checked against the model's signature: its tensors as a checked
+    ``request``, or, for an image model sent encoded images (a BYTES tensor), the ``images`` still to decode
+    and the ``outputs`` wanted (``request`` then is None)."""
 
     id: str | None
-    request: InferenceRequest
+    request: InferenceRequest | None
     binary: dict[str, bool]  # output name -> send as binary
+    images: list[bytes] | None = None
+    outputs: list[str] | None = None
+    classification: dict[str, int] = field(default_factory=dict)
+    """output name -> k of the classification extension (top-k strings instead of the tensor)."""
 
 
 def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:
@@ -129,35 +154,52 @@ def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, m
     return view[:n], view[n:]
 
 
-def decode_v2_request(body: bytes, header_length: str | None, signature: Signature) -> V2Request:
-    """Decode and check a V2 request: each tensor's declared shape is checked before its data is read."""
+def decode_v2_request(
+    body: bytes, header_length: str | None, signature: Signature, images_for: str | None = None
+) -> V2Request:
+    """Decode and check a V2 request: each tensor's declared shape is checked before its data is read.
+    ``images_for``: the image input of an image model, which may also come as a BYTES tensor of encoded
+    images (``v2_images``)."""
     header, tail = split_v2_body(body, header_length)
     req = validate(InferRequest, loads(header, "inference request header"), "inference request")
     if len(req.inputs) > len(signature.inputs):
         raise InvalidInputError(f"{len(req.inputs)} inputs given; the model takes {len(signature.inputs)}")
-    arrays, batches = _decode_v2_inputs(req, tail, signature, len(header))
-    names, binary = _requested_outputs(req, [s.name for s in signature.outputs])
-    return V2Request(id=req.id, request=signature.complete(arrays, batches, names), binary=binary)
+    arrays, batches, images = _decode_v2_inputs(req, tail, signature, len(header), images_for)
+    names, binary, classes = _requested_outputs(req, [s.name for s in signature.outputs])
+    if images is not None:
+        return V2Request(req.id, None, binary, images=images, outputs=names, classification=classes)
+    return V2Request(req.id, signature.complete(arrays, batches, names), binary, classification=classes)
 
 
 def _decode_v2_inputs(
-    req: InferRequest, tail: memoryview, signature: Signature, max_values: int
-) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    req: InferRequest, tail: memoryview, signature: Signature, max_values: int, images_for: str | None
+) -> tuple[dict[str, np.ndarray], dict[str, int], list[bytes] | None]:
     arrays: dict[str, np.ndarray] = {}
     batches: dict[str, int] = {}
+    images: list[bytes] | None = None
     offset = 0
     for i, tensor in enumerate(req.inputs):
-        if tensor.name in arrays:
+        if tensor.name in arrays or (images is not None and tensor.name == images_for):
             raise InvalidInputError(f"input {tensor.name!r} given twice")
-        dtype = _v2_dtype(tensor.name, tensor.datatype)
         params = tensor.parameters or {}
         _refuse_shared_memory(params, f"inputs[{i}]")
-        batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
-        count = math.prod(tensor.shape)
+        size = None
         if "binary_data_size" in params:
             if tensor.data is not None:
                 raise InvalidInputError(f"input {tensor.name!r}: give data or binary_data_size, not both")
             size = _non_negative_int(params["binary_data_size"], f"inputs[{i}].parameters.binary_data_size")
+        if tensor.datatype == "BYTES" and images_for is not None and tensor.name == images_for:
+            if size is not None and offset + size > len(tail):
+                raise BadRequestError(f"input {tensor.name!r}: binary data runs past the end of the body "
+                                      f"({offset + size} > {len(tail)} bytes)")  # fmt: skip
+            images = v2_images(tensor.name, tensor.shape, tensor.data, None if size is None else
+                               tail[offset : offset + size])  # fmt: skip
+            offset += size or 0
+            continue
+        dtype = _v2_dtype(tensor.name, tensor.datatype)
+        batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
+        count = math.prod(tensor.shape)
+        if size is not None:
             arrays[tensor.name] = _binary_tensor(tensor.name, tensor.shape, dtype, count, tail, offset, size)
             offset += size
         else:
@@ -168,7 +210,23 @@ def _decode_v2_inputs(
         raise BadRequestError(
             f"binary data: inputs declare {offset} bytes, the body has {len(tail)} after the JSON header"
         )
-    return arrays, batches
+    return arrays, batches, images
+
+
+def v2_images(name: str, shape: list[int], data: Any, raw: memoryview | None) -> list[bytes]:
+    """Encoded images sent as a KServe BYTES tensor of shape ``[N]`` or ``[N, 1]``: binary (each element
+    a 4-byte little-endian length + the image, as tritonclient serializes BYTES) or JSON ``data`` of base64
+    strings (a JPEG is no UTF-8 text). At most ``image_requests.MAX_IMAGES`` (413), checked before anything is
+    decoded."""
+    count = image_tensor_count(name, shape)
+    if raw is not None:
+        return bytes_elements(raw, count, name)
+    if not isinstance(data, list):
+        raise InvalidInputError(f"input {name!r}: 'data' must be a list of base64 strings (or use binary_data_size)")
+    flat = [v[0] if len(shape) == 2 and isinstance(v, list) and len(v) == 1 else v for v in data]
+    if len(flat) != count:
+        raise InvalidInputError(f"input {name!r}: shape {shape} needs {count} images, data has {len(flat)}")
+    return [decode_base64(text, index) for index, text in enumerate(flat)]
 
 
 def _v2_dtype(name: str, datatype: str) -> np.dtype:
@@ -217,12 +275,15 @@ def _json_tensor(
 
 def _requested_outputs(
     req: InferRequest, model_outputs: list[str]
-) -> tuple[list[str] | None, dict[str, bool]]:
+) -> tuple[list[str] | None, dict[str, bool], dict[str, int]]:
+    """The requested output names (None: all), which go binary, and the classification extension's k of
+    those that asked for it (``parameters: {"classification": k}``, as tritonclient's ``class_count``)."""
     default = _bool_param(req.parameters or {}, "binary_data_output", False, "parameters")
     if req.outputs is None:
-        return None, dict.fromkeys(model_outputs, default)
+        return None, dict.fromkeys(model_outputs, default), {}
     known = set(model_outputs)
     binary: dict[str, bool] = {}
+    classes: dict[str, int] = {}
     for i, out in enumerate(req.outputs):
         if out.name not in known:
             raise BadRequestError(f"unknown output {out.name!r}; the model has: {', '.join(model_outputs)}")
@@ -230,10 +291,16 @@ def _requested_outputs(
             raise BadRequestError(f"output {out.name!r} requested twice")
         params = out.parameters or {}
         _refuse_shared_memory(params, f"outputs[{i}]")
-        if params.get("classification"):
-            raise BadRequestError(f"outputs[{i}]: the classification extension is not supported")
+        if "classification" in params:
+            classes[out.name] = _class_count(params["classification"], f"outputs[{i}].parameters.classification")
         binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
-    return list(binary), binary
+    return list(binary), binary, classes
+
+
+def _class_count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
+        raise BadRequestError(f"{where} must be an integer from 1 to {MAX_TOP_K}")
+    return value
 
 
 def _refuse_shared_memory(params: Mapping[str, Any], where: str) -> None:
@@ -265,6 +332,12 @@ def encode_v2_response(
     entries: list[dict[str, Any]] = []
     blobs: list[memoryview] = []
     for name, raw in outputs.items():
+        if raw.dtype == object:  # BYTES (the classification extension): bytes elements
+            entry, blob = _bytes_output(name, raw, binary.get(name, False))
+            entries.append(entry)
+            if blob is not None:
+                blobs.append(memoryview(blob))
+            continue
         arr = _jsonable(raw)
         datatype = NUMPY_TO_KSERVE.get(arr.dtype)
         if datatype is None:  # ONNX types outside the V2 set are refused at model load; be safe anyway
@@ -285,6 +358,18 @@ def encode_v2_response(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
+
+
+def _bytes_output(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    """A BYTES output: binary as KServe serializes BYTES, or JSON strings (the elements are UTF-8)."""
+    entry: dict[str, Any] = {"name": name, "datatype": "BYTES", "shape": list(arr.shape)}
+    elements = list(arr.reshape(-1))
+    if not binary:
+        entry["data"] = [e.decode() for e in elements]
+        return entry, None
+    blob = serialize_bytes(elements)
+    entry["parameters"] = {"binary_data_size": len(blob)}
+    return entry, blob
 
 
 # ------------------------------------------------------------------ .npy

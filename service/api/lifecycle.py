@@ -87,3 +87,4 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await lifecycle.dataplane.manager.stop(app.state.settings.shutdown_grace_s)
+        lifecycle.dataplane.images.close()

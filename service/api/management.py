@@ -8,7 +8,9 @@ form (parsed incrementally; Starlette's form parser would spool the whole file f
 chunk into a staging file in the store, with the size limit checked as bytes arrive. The optional
 per-model config (JSON of ``ModelConfig``) comes as the ``config`` query parameter, the
 ``X-Model-Config`` header or the multipart ``config`` field; the first two are checked before a single
-body byte is read.
+body byte is read. A classifier's labels come in the config (``postprocess.labels``) or as the multipart
+``labels`` field: a UTF-8 text file, one label per line in class-index order (at most
+``bodies.MAX_LABELS_FIELD`` bytes; ``imaging.config.MAX_LABELS`` labels). ``GET .../labels`` gives them back.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from service.dataplane import check_name, describe_version, version_summaries
-from service.errors import BadRequestError, UnprocessableError, UnsupportedMediaTypeError
+from service.errors import BadRequestError, NotFoundError, UnprocessableError, UnsupportedMediaTypeError
+from service.image_requests import classifier_output
 from service.model_config import ModelConfig
 
 from .auth import require_admin
-from .bodies import MIB, stream_multipart_upload, stream_raw_upload
+from .bodies import MIB, stream_multipart_form, stream_raw_upload
 from .codecs import format_validation_error, json_response
 from .deps import dataplane_of, settings_of
 from .schemas import ErrorBody
@@ -51,6 +54,8 @@ _UPLOAD_OPENAPI = {
                     "properties": {
                         "file": {"type": "string", "format": "binary", "description": "The ONNX model."},
                         "config": {"type": "string", "description": "ModelConfig as JSON."},
+                        "labels": {"type": "string", "format": "binary",
+                                   "description": "The classifier's labels, one per line (UTF-8)."},
                     },
                 }
             },
@@ -83,6 +88,28 @@ def parse_model_config(text: str) -> ModelConfig:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
         raise UnprocessableError(f"invalid model config: {format_validation_error(exc)}") from None
+
+
+def parse_labels(text: str) -> tuple[str, ...]:
+    """A labels file -> its labels: one per line (``\n`` or ``\r\n``), a final line break and a UTF-8 byte
+    order mark ignored; every other line is a label, empty ones included (refused as labels)."""
+    lines = text.removeprefix("\ufeff").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return tuple(line.removesuffix("\r") for line in lines)
+
+
+def with_labels(config: ModelConfig, text: str) -> ModelConfig:
+    """``config`` with the labels of a labels file (422 naming a bad label, 400 for labels given twice)."""
+    labels = parse_labels(text)
+    if not labels:
+        raise UnprocessableError("the labels file holds no label")
+    try:
+        return config.with_labels(labels)
+    except ValidationError as exc:
+        raise UnprocessableError(f"invalid labels file: {format_validation_error(exc)}") from None
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from None
 
 
 def _early_config(query: str | None, header: str | None) -> ModelConfig | None:
@@ -120,11 +147,13 @@ async def upload_model(
     staged = dataplane.new_staging_file()
     try:
         if media == MULTIPART:
-            form_config = await stream_multipart_upload(request, staged, limit)
-            if form_config is not None:
+            fields = await stream_multipart_form(request, staged, limit)
+            if "config" in fields:
                 if model_config is not None:
                     raise BadRequestError("give the model config once (form field, query or header)")
-                model_config = parse_model_config(form_config)
+                model_config = parse_model_config(fields["config"])
+            if "labels" in fields:
+                model_config = with_labels(model_config or ModelConfig(), fields["labels"])
         else:
             await stream_raw_upload(request, staged, limit)
     except BaseException:
@@ -145,6 +174,30 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request, name: str) -> Response:
     versions = dataplane_of(request).versions(name)
     return json_response({"name": name, "versions": [describe_version(v) for v in versions]})
+
+
+def _labels(request: Request, name: str, version: str | None) -> Response:
+    mv = dataplane_of(request).find(name, version)
+    labels = mv.config.postprocess.labels if mv.config.postprocess is not None else None
+    if labels is None:
+        raise NotFoundError(f"model {mv.name!r} version {mv.version} has no labels")
+    if "text/plain" in request.headers.get("accept", ""):
+        return Response("".join(f"{label}\n" for label in labels), media_type="text/plain; charset=utf-8")
+    return json_response({"name": mv.name, "version": mv.version, "output": classifier_output(mv),
+                          "labels": list(labels)})
+
+
+@router.get("/v1/models/{name}/labels", summary="The labels of a classifier, in class-index order",
+            responses=_ERRORS)
+async def get_labels(request: Request, name: str) -> Response:
+    """JSON ``{"name", "version", "output", "labels": [...]}``, or one label per line with ``Accept:
+    text/plain``; 404 when the model has none."""
+    return _labels(request, name, None)
+
+
+@router.get("/v1/models/{name}/versions/{version}/labels", summary="The labels of one version", responses=_ERRORS)
+async def get_version_labels(request: Request, name: str, version: str) -> Response:
+    return _labels(request, name, version)
 
 
 @router.delete(

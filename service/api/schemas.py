@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from service.registry.acceptance import MODEL_NAME_PATTERN
 
@@ -41,10 +41,42 @@ class PredictRequest(BaseModel):
     )
 
 
+class PredictImagesRequest(BaseModel):
+    """``POST /predict`` JSON body carrying encoded images (JPEG or PNG) for a model with a preprocess config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        None, pattern=MODEL_NAME_PATTERN, description="Model name; may be omitted when one model is loaded."
+    )
+    version: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Version; default: latest.")
+    image: str | None = Field(None, description="One image, base64 (standard alphabet, padded, no line breaks) "
+                              "or a data:image/...;base64, URL.")
+    images: list[Any] | None = Field(None, min_length=1, description="Several images (a batch), each as 'image'.")
+    raw: StrictBool = Field(False, description="Return the raw outputs instead of the top-k classes.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PredictImagesRequest:
+        if (self.image is None) == (self.images is None):
+            raise ValueError("give 'image' or 'images', not both")
+        return self
+
+
+class Prediction(BaseModel):
+    label: str | None = Field(None, description="The class's label (when the model has labels).")
+    index: int
+    score: float = Field(description="Softmax probability (or the raw score when the model's softmax is off).")
+
+
 class PredictResponse(BaseModel):
     model: str
     version: int
-    outputs: dict[str, Any] = Field(description="Output name -> nested list, batch dimension first.")
+    outputs: dict[str, Any] | None = Field(
+        None, description="Output name -> nested list, batch dimension first (tensor requests, or raw)."
+    )
+    predictions: list[list[Prediction]] | None = Field(
+        None, description="Per image, the top-k classes, best first (image requests to a classifier)."
+    )
 
 
 # ---------------------------------------------------------------- KServe V2
@@ -113,7 +145,7 @@ class ServerMetadata(BaseModel):
     extensions: list[str]
 
 
-BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, InferRequest)
+BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, PredictImagesRequest, InferRequest)
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

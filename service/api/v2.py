@@ -1,9 +1,11 @@
 """KServe V2 / Open Inference Protocol over REST: server and model metadata, readiness, config and inference.
 
 Spoken the way Triton speaks it so ``tritonclient.http`` works unchanged: versions are strings in JSON, the
-binary tensor extension (``Inference-Header-Content-Length``) for inputs and, when asked, outputs, and a
-Triton-style model config at ``.../config``. Health endpoints live in ``health.py``; everything here is a
-codec around ``service.dataplane``.
+binary tensor extension (``Inference-Header-Content-Length``) for inputs and, when asked, outputs, the
+classification extension (``parameters: {"classification": k}`` on a requested output: a BYTES output of
+``"score:index:label"`` strings), and a Triton-style model config at ``.../config``. An image model also
+takes its image input as a BYTES tensor ``[N]`` / ``[N, 1]`` of encoded JPEG/PNG images. Health endpoints
+live in ``health.py``; everything here is a codec around ``service.dataplane``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+
+from service.image_requests import classification, image_input_name
 
 from .bodies import MIB, read_body
 from .codecs import decode_v2_request, encode_v2_response, json_response
@@ -96,11 +100,20 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
     """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
     async with Observed(request, "v2_infer") as obs:
         body = await read_body(request, settings_of(request).max_request_mb * MIB)
-        mv = dataplane_of(request).model_for_infer(name, version)
+        dataplane = dataplane_of(request)
+        mv = dataplane.model_for_infer(name, version)
         obs.model = mv.name
-        decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature)
-        obs.result = await infer(request, mv, decoded.request)
-        content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, obs.result.outputs, decoded.binary)
+        decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature, image_input_name(mv))
+        checked = decoded.request
+        if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
+            assert decoded.images is not None
+            checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
+        obs.result = await infer(request, mv, checked)
+        outputs = obs.result.outputs
+        if decoded.classification:
+            outputs = {out: classification(mv, out, scores, decoded.classification[out])
+                       if out in decoded.classification else scores for out, scores in outputs.items()}  # fmt: skip
+        content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, outputs, decoded.binary)
     if json_length is None:
         return Response(content, media_type="application/json")
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})

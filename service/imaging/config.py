@@ -2,8 +2,8 @@
 
 Both are pydantic models that refuse unknown fields and are frozen, like ``service.model_config``. The
 defaults of ``Preprocess`` are torchvision's ImageNet classification preset (resize the shorter side to 256,
-centre crop 224x224, RGB, NCHW, ``(pixel / 255 - mean) / std`` with the ImageNet mean and std), sent to the
-model as float32.
+centre crop 224x224, RGB, NCHW, ``(pixel / 255 - mean) / std`` with the ImageNet mean and std), with the
+pixels sent as uint8 and the normalisation done by the served graph.
 
 The model input is ``(pixel * scale - mean[c]) / std[c]`` per channel ``c``, with ``mean``/``std`` given in
 the *model's* channel order (a BGR model lists them B, G, R). With ``wire_dtype="uint8"`` the server sends
@@ -80,10 +80,11 @@ class Preprocess(BaseModel):
         IMAGENET_STD, description="Divisor after the mean: 3 values or 1 for all; each in [1e-6, 255]."
     )
     wire_dtype: Literal["uint8", "float32"] = Field(
-        "float32",
-        description="float32: the server normalises and sends float32. uint8: the server sends raw pixels and "
-        "the served graph normalises (the optimizer folds it into the first convolution); the model's "
-        "input then becomes uint8, also for tensor requests.",
+        "uint8",
+        description="uint8 (default): the server sends raw pixels and the served graph normalises (the optimizer "
+        "folds it into the first convolution, verified); the model's input then becomes uint8, also for tensor "
+        "requests: 4x fewer bytes per image on every path, and no float arithmetic per request on the host. "
+        "float32: the model keeps its float input and the server normalises in numpy.",
     )
 
     @field_validator("resize")

@@ -29,6 +29,7 @@ from service.errors import (
     ShuttingDownError,
     UnprocessableError,
 )
+from service.imaging.config import Postprocess, Preprocess
 from service.model_config import EffectiveConfig, ModelConfig
 from service.registry.acceptance import validate_model_name
 from service.registry.importer import import_models
@@ -43,7 +44,7 @@ from service.registry.metadata import (
     stored_record,
     tensor_records,
 )
-from service.registry.sandbox import OptimizeOutcome, OptimizerRunner
+from service.registry.sandbox import ImageArgs, OptimizeOutcome, OptimizerRunner
 from service.registry.store import ORIGINAL, ModelStore, cache_key, sha256_file
 from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
@@ -55,10 +56,36 @@ from service.settings import ServiceSettings
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "mobilenet_v3_large"
+DEMO_CLASSES = 1000
+DEMO_DESCRIPTION = (
+    "Demo: torchvision's MobileNetV3-Large architecture (zoo mobilenet_v3_large) with seeded RANDOM weights, "
+    "not trained: its predictions mean nothing and its labels are placeholders (class_0 .. class_999). It shows "
+    "the pipeline: a JPEG or PNG in (resized to 256, centre crop 224, ImageNet normalisation folded into the "
+    "first convolution, uint8 on the wire), the top 5 classes out."
+)
 MAX_CONCURRENT_OPTIMIZATIONS = 2
 """Optimizer children running at once (each may use optimizer_memory_mb); more uploads wait."""
 INPUT_BYTES_FACTOR = 4
 """A request's decoded inputs may take at most this many times ``max_request_mb`` (JSON -> arrays)."""
+
+
+def demo_config() -> ModelConfig:
+    """The demo's image config: torchvision's ImageNet preset (resize 256, centre crop 224, ImageNet mean and
+    std, uint8 on the wire) and placeholder labels, since its weights are random (``DEMO_DESCRIPTION``)."""
+    return ModelConfig(
+        preprocess=Preprocess(),
+        postprocess=Postprocess(labels=tuple(f"class_{i}" for i in range(DEMO_CLASSES))),
+        description=DEMO_DESCRIPTION,
+    )
+
+
+def image_args(config: EffectiveConfig) -> ImageArgs | None:
+    """What the optimizer child checks and folds for an image model (None: not one)."""
+    labels = config.postprocess.labels if config.postprocess is not None else None
+    if config.preprocess is None and labels is None:
+        return None
+    return ImageArgs(preprocess=None if config.preprocess is None else config.preprocess.model_dump_json(),
+                     label_count=None if labels is None else len(labels))
 
 
 def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
@@ -165,7 +192,7 @@ class ModelManager:
     async def _install_demo(self) -> None:
         try:
             staged = await asyncio.to_thread(self._build_demo)
-            await self.upload(DEMO_MODEL, staged, ModelConfig())
+            await self.upload(DEMO_MODEL, staged, demo_config())
             log.info("installed the demo model %r", DEMO_MODEL)
         except Exception:
             log.exception("could not install the demo model %r", DEMO_MODEL)
@@ -249,7 +276,8 @@ class ModelManager:
             self.optimizations += 1
             log.info("optimizing %s", what)
             try:
-                return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify)
+                return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
+                                              image=image_args(config))
             except OptimizationError:
                 self.check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise
@@ -399,4 +427,4 @@ def _with_record(record: dict[str, Any], run: tuple[str, str] | None, stored: di
     return current.with_engine(stored_record(record)).to_dict()
 
 
-__all__ = ["DEMO_MODEL", "ModelManager", "engine_options"]
+__all__ = ["DEMO_MODEL", "ModelManager", "demo_config", "engine_options"]

@@ -8,9 +8,15 @@ failed upload (``OptimizationError``, 422), never the server. The child dies wit
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
 Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
---memory-limit-mb N``. The child writes the optimized variants into OUT_DIR (``optimized.onnx``, and
-``optimized-plain.onnx`` when FusedConv changed the graph) and ``result.json`` last. The parent reads
-only ``result.json``; a missing or unreadable one means the child crashed.
+--memory-limit-mb N [--preprocess JSON] [--label-count N]``. The child writes the optimized variants into
+OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph) and
+``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one means the child
+crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
+
+Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` (the labels of its
+``Postprocess``; only their number matters here) are checked against the uploaded model first
+(``image_config``); with a uint8 wire the normalisation is folded into every variant
+(``OptimizerConfig.input_normalization``) and verified against the original fed the normalised floats.
 
 Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
 FusedConv) is often faster on CUDA (FusedConv has no NHWC form). The engine's tuner measures both, so
@@ -69,6 +75,19 @@ _ERRORS: dict[str, type[ServiceError]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageArgs:
+    """What the child needs of an image model's config: the preprocessing (JSON of ``Preprocess``) and how
+    many labels its postprocessing lists."""
+
+    preprocess: str | None = None
+    label_count: int | None = None
+
+    def argv(self) -> list[str]:
+        args = ["--preprocess", self.preprocess] if self.preprocess is not None else []
+        return args + (["--label-count", str(self.label_count)] if self.label_count is not None else [])
+
+
 @dataclasses.dataclass
 class OptimizeOutcome:
     """What the parent gets back: the files in ``out_dir`` and what the child reported."""
@@ -77,7 +96,7 @@ class OptimizeOutcome:
     sha256: str
     size: int
     signature: dict[str, Any]
-    """``Signature.to_dict()`` of the uploaded model."""
+    """``Signature.to_dict()`` of the served graph (the uploaded model's, unless a normalisation was folded)."""
     variants: dict[str, dict[str, Any]]
     """variant name ("fused" / "plain") -> {"file": artifact file name, "report": OptimizationReport dict}"""
     duration_s: float
@@ -119,13 +138,15 @@ class OptimizerRunner:
         self._live: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
-    async def run(self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> OptimizeOutcome:
+    async def run(
+        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None
+    ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
         If the caller is cancelled (client gone, shutdown), the child is killed."""
         job = _Job()
         try:
             return await asyncio.to_thread(
-                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, job=job
+                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image, job=job
             )
         except asyncio.CancelledError:
             job.cancel()
@@ -138,13 +159,14 @@ class OptimizerRunner:
         *,
         fused_conv: bool,
         verify: bool,
+        image: ImageArgs | None = None,
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
             "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
-            "--memory-limit-mb", str(self.memory_limit_mb),
+            "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
             command,
@@ -277,12 +299,17 @@ def _fused_conv_count(model: Any) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "FusedConv" and n.domain == "com.microsoft")
 
 
-def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict[str, Any]:
+def _job(
+    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
+    label_count: int | None = None,
+) -> dict[str, Any]:
     import hashlib
 
+    from service.imaging.config import Preprocess
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
     from service.registry.acceptance import validate_model
+    from service.registry.image_config import check_labels, image_normalization
     from service.runtime.contract import Signature
 
     data = source.read_bytes()
@@ -290,9 +317,14 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
     model = parse_model_bytes(data)
     del data
     validate_model(model)
-    signature = Signature.from_onnx(model)
+    uploaded = Signature.from_onnx(model)
+    normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
+        preprocess))
+    check_labels(uploaded, label_count)
     variants: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify))
+    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify,
+                                                    input_normalization=normalization))
+    signature = Signature.from_onnx(first)
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
     if not verify:
         _smoke_run(first)
@@ -300,7 +332,8 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
     if fused_made:
         variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
         del first
-        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify))
+        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify,
+                                                              input_normalization=normalization))
         _save_variant(plain, out_dir / PLAIN_FILE)
         variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
     else:
@@ -368,11 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
     parser.add_argument("--memory-limit-mb", type=int, required=True)
+    parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
+    parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")
     args = parser.parse_args(argv)
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
-        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify))
+        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify),
+                      preprocess=args.preprocess, label_count=args.label_count)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):
             logging.getLogger(__name__).warning("optimization failed", exc_info=True)

@@ -107,6 +107,7 @@ class ModelVersion:
             **self.signature.to_dict(),
             "max_batch_size": self.max_batch_size,
             "config": self.config.to_dict(),
+            "description": metadata.config.description if metadata else None,
             "created": metadata.created if metadata else None,
             "sha256": metadata.original.sha256 if metadata else None,
             "engine": metadata.engine if metadata else None,

@@ -122,28 +122,40 @@ def test_upload_predict_triton_sigterm_restart(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_model_on_a_fresh_store(tmp_path: Path) -> None:
-    """CI proof that the default start works: the zoo's mobilenet_v3_large is built, optimized, verified
-    and served (about 10 s on 2 cores)."""
+    """CI proof that the default start works: the zoo's mobilenet_v3_large is built, optimized (its ImageNet
+    normalisation folded in), verified and served (about 10 s on 2 cores); a JPEG POSTed as curl would
+    (``--data-binary @cat.jpg -H 'content-type: image/jpeg'``) gives the reference pipeline's top 5, and
+    uint8 tensors through tritonclient give the original float model's outputs."""
+    import image_kit
+    import images
+
     from service import zoo
 
     with running(tmp_path / "models", tmp_path / "demo", demo=True, ready_timeout=240) as server:
         meta = httpx.get(f"{server.url}/v2/models/mobilenet_v3_large", timeout=10).json()
-        assert meta["inputs"] == [
-            {"name": meta["inputs"][0]["name"], "datatype": "FP32", "shape": [-1, 3, 224, 224]}
-        ]
-        x = np.random.default_rng(0).normal(size=(1, 3, 224, 224)).astype(np.float32)
+        name = meta["inputs"][0]["name"]
+        assert meta["inputs"] == [{"name": name, "datatype": "UINT8", "shape": [-1, 3, 224, 224]}]
+        photo = images.jpeg(640, 480, seed=5)
+        r = httpx.post(f"{server.url}/predict", content=photo, headers={"content-type": "image/jpeg"}, timeout=30)
+        assert r.status_code == 200, r.text
+        (top,) = r.json()["predictions"]
+        model = zoo.build("mobilenet_v3_large").SerializeToString()
+        demo = {"resize": 256, "crop": [224, 224]}
+        wire = image_kit.pixels([photo], demo)
+        probs = image_kit.softmax(next(iter(ort_reference(model, image_kit.normalised(wire)).values())))[0]
+        best = np.argsort(-probs, kind="stable")[:5]
+        assert [(p["label"], p["index"]) for p in top] == [(f"class_{i}", int(i)) for i in best]
+        np.testing.assert_allclose([p["score"] for p in top], probs[best], rtol=1e-3, atol=1e-6)
         import tritonclient.http as triton
 
         with triton.InferenceServerClient(url=f"127.0.0.1:{server.port}") as client:
-            tensor = triton.InferInput(meta["inputs"][0]["name"], list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            result = client.infer("mobilenet_v3_large", [tensor])
-            got = result.as_numpy(meta["outputs"][0]["name"])
-        want = next(iter(ort_reference(zoo.build("mobilenet_v3_large"), x).values()))
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
-        report = httpx.get(f"{server.url}/v1/models/mobilenet_v3_large", timeout=10).json()["versions"][0][
-            "report"
-        ]
-        assert report["nodes_after"] < report["nodes_before"]
+            tensor = triton.InferInput(name, list(wire.shape), "UINT8")
+            tensor.set_data_from_numpy(wire)
+            got = client.infer("mobilenet_v3_large", [tensor]).as_numpy(meta["outputs"][0]["name"])
+        want = next(iter(ort_reference(model, image_kit.normalised(wire)).values()))
+        # logits of random weights reach +-100; the folded first conv rounds differently: 1e-5 of that scale
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * float(np.abs(want).max()))
+        record = httpx.get(f"{server.url}/v1/models/mobilenet_v3_large", timeout=10).json()["versions"][0]
+        assert record["report"]["nodes_after"] < record["report"]["nodes_before"]
+        assert "RANDOM weights" in record["description"] and record["config"]["postprocess"]["label_count"] == 1000
         assert server.terminate() == 0

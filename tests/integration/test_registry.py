@@ -604,18 +604,24 @@ def test_a_broken_stored_version_fails_alone(tmp_path):
 
 
 def test_a_fresh_store_gets_the_demo_model(tmp_path):
+    """The demo is an image model: uint8 pixels in (ImageNet normalisation folded into the graph), placeholder
+    labels, a description saying its weights are random."""
     async def main():
         manager = ModelManager(settings_for(tmp_path, demo_model=True))
         await manager.start()
         mv = manager.table.only_model()
         spec = mv.signature.inputs[0]
-        x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
-        result = await infer(mv, {spec.name: x})
+        pixels = np.random.default_rng(0).integers(0, 256, (1, 3, 224, 224), dtype=np.uint8)
+        result = await infer(mv, {spec.name: pixels})
         await manager.stop(5)
-        return mv, spec, x, result
+        return mv, spec, pixels, result
 
-    mv, spec, x, result = asyncio.run(main())
-    assert mv.name == "mobilenet_v3_large" and spec.shape == (None, 3, 224, 224)
+    mv, spec, pixels, result = asyncio.run(main())
+    assert mv.name == "mobilenet_v3_large" and spec.shape == (None, 3, 224, 224) and spec.dtype == np.uint8
+    assert mv.config.postprocess.labels[:2] == ("class_0", "class_1") and len(mv.config.postprocess.labels) == 1000
+    assert "RANDOM weights" in mv.describe()["description"]
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    x = ((pixels / 255.0 - mean.reshape(1, 3, 1, 1)) / std.reshape(1, 3, 1, 1)).astype(np.float32)
     expected = reference(zoo.build("mobilenet_v3_large"), {spec.name: x})
     np.testing.assert_allclose(result.outputs[mv.signature.outputs[0].name], expected[0], rtol=1e-3, atol=1e-4)
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -91,3 +91,44 @@ def test_graph_fields_change_only_with_what_changes_the_graph():
     assert ModelConfig(max_batch_size=4, precision="fp16").effective(settings).graph_fields() == base
     flipped = ModelConfig(fused_conv=not settings.fused_conv)
     assert flipped.effective(settings).graph_fields() != base
+
+
+# ---------------------------------------------------------------- image models
+def test_an_image_config_round_trips_with_its_null_fields():
+    from service.imaging import Postprocess, Preprocess
+
+    config = ModelConfig(preprocess=Preprocess(resize=None, crop=(8, 8), layout="NHWC"),
+                         postprocess=Postprocess(labels=("a", "b"), top_k=1), description="two classes")
+    stored = config.to_dict()
+    assert stored["preprocess"]["resize"] is None  # "no resize", not the default 256
+    assert stored["postprocess"] == {"softmax": True, "top_k": 1, "labels": ["a", "b"]}
+    assert ModelConfig.from_dict(stored) == config
+
+
+def test_the_folded_normalisation_is_part_of_the_cache_key_only_when_there_is_one():
+    from service.imaging import Postprocess, Preprocess
+
+    settings = ServiceSettings(_env_file=None, fused_conv=True, verify=True)
+    before = {"fused_conv": True, "verify": True}  # what every store written before image models holds
+    assert ModelConfig().effective(settings).graph_fields() == before
+    assert ModelConfig(postprocess=Postprocess()).effective(settings).graph_fields() == before
+    assert ModelConfig(preprocess=Preprocess(wire_dtype="float32")).effective(settings).graph_fields() == before
+    uint8 = ModelConfig(preprocess=Preprocess()).effective(settings).graph_fields()
+    assert uint8["input_normalization"]["wire_dtype"] == "uint8"
+    nhwc = ModelConfig(preprocess=Preprocess(layout="NHWC")).effective(settings).graph_fields()
+    other_std = ModelConfig(preprocess=Preprocess(std=(0.5,))).effective(settings).graph_fields()
+    same_graph = ModelConfig(preprocess=Preprocess(crop=(200, 200), channel_order="BGR")).effective(settings)
+    assert len({repr(f) for f in (uint8, nhwc, other_std)}) == 3
+    assert same_graph.graph_fields() == uint8  # crop and channel order change no graph
+
+
+def test_labels_from_a_file_merge_into_the_postprocess_once():
+    from service.imaging import Postprocess
+
+    config = ModelConfig(postprocess=Postprocess(top_k=2)).with_labels(("x", "y"))
+    assert config.postprocess == Postprocess(top_k=2, labels=("x", "y"))
+    assert ModelConfig().with_labels(("x",)).postprocess == Postprocess(labels=("x",))
+    with pytest.raises(ValueError, match="twice"):
+        config.with_labels(("x", "y"))
+    with pytest.raises(ValidationError, match="label 1"):
+        ModelConfig().with_labels(("x", ""))

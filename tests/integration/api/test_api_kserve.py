@@ -249,10 +249,16 @@ BAD = [
         id="duplicate-output",
     ),
     pytest.param(
-        _raw({"inputs": [GOOD_IN], "outputs": [{"name": "logits", "parameters": {"classification": 2}}]}),
+        _raw({"inputs": [GOOD_IN], "outputs": [{"name": "logits", "parameters": {"classification": 0}}]}),
+        {},
+        "classification must be an integer from 1 to 1000",
+        id="classification-0",
+    ),
+    pytest.param(
+        _raw({"inputs": [GOOD_IN], "outputs": [{"name": "logits", "parameters": {"classification": "3"}}]}),
         {},
         "classification",
-        id="classification",
+        id="classification-not-int",
     ),
     pytest.param(
         _raw(_with(parameters={"shared_memory_region": "r", "shared_memory_byte_size": 768})),

@@ -122,9 +122,12 @@ async def test_openapi_documents_bodies(shared: httpx.AsyncClient) -> None:
     assert r.status_code == 200
     doc = r.json()
     schemas = doc["components"]["schemas"]
-    assert {"PredictRequest", "InferRequest", "InferInputTensor"} <= set(schemas)
+    assert {"PredictRequest", "PredictImagesRequest", "InferRequest", "InferInputTensor"} <= set(schemas)
     predict_body = doc["paths"]["/predict"]["post"]["requestBody"]["content"]
-    assert predict_body["application/json"]["schema"] == {"$ref": "#/components/schemas/PredictRequest"}
+    assert predict_body["application/json"]["schema"] == {"oneOf": [
+        {"$ref": "#/components/schemas/PredictRequest"}, {"$ref": "#/components/schemas/PredictImagesRequest"}
+    ]}
+    assert {"image/jpeg", "image/png", "multipart/form-data", "application/x-npy"} <= set(predict_body)
     upload_body = doc["paths"]["/v1/models/{name}"]["post"]
     assert "multipart/form-data" in upload_body["requestBody"]["content"]
     assert upload_body.get("security")

@@ -36,7 +36,7 @@ def test_uint8_wire_is_the_pixels_in_layout_and_channel_order(layout, order):
 def test_float32_wire_is_normalised_per_model_channel(layout, order):
     # mean/std are in the model's channel order: channel 0 of a BGR model is blue.
     pixels = _pixels(2)
-    preprocess = Preprocess(layout=layout, channel_order=order, mean=tuple(MEAN), std=tuple(STD))
+    preprocess = Preprocess(layout=layout, channel_order=order, mean=tuple(MEAN), std=tuple(STD), wire_dtype="float32")
     batch = assemble_batch(pixels, preprocess)
     assert batch.dtype == np.float32
     shape = (2, 3, 6, 5) if layout == "NCHW" else (2, 6, 5, 3)

@@ -44,7 +44,7 @@ def test_preprocess_refuses_out_of_bounds_values(fields):
 
 def test_preprocess_defaults_are_torchvisions_imagenet_preset():
     p = Preprocess()
-    assert (p.resize, p.crop, p.channel_order, p.layout, p.wire_dtype) == (256, (224, 224), "RGB", "NCHW", "float32")
+    assert (p.resize, p.crop, p.channel_order, p.layout, p.wire_dtype) == (256, (224, 224), "RGB", "NCHW", "uint8")
     a, b = p.affine()
     pixel = np.array([0.0, 128.0, 255.0])
     expected = (pixel * (1 / 255) - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])

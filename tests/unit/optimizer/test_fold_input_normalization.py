@@ -283,7 +283,7 @@ def test_zoo_demo_model_takes_uint8_images_and_gives_the_float_pipelines_outputs
     assert _input_type(optimized) == (onnx.TensorProto.UINT8, ["batch", 3, 224, 224])
     photos = [images.jpeg(640, 480, seed=s) for s in range(2)]
     (got,) = _session(optimized).run(None, {"input": decode_batch(photos, uint8)})
-    (expected,) = _session(model).run(None, {"input": decode_batch(photos, Preprocess())})
+    (expected,) = _session(model).run(None, {"input": decode_batch(photos, Preprocess(wire_dtype="float32"))})
     scale = float(np.abs(expected).max())
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * scale)
     assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
