@@ -17,6 +17,7 @@ import builders
 import numpy as np
 import pytest
 
+import service.registry.manager as manager_module
 from service.model_config import ModelConfig
 from service.registry.manager import DEMO_MODEL, ModelManager
 from service.registry.metadata import engine_key
@@ -70,6 +71,7 @@ def test_replicas_starting_together_on_a_fresh_store_install_the_demo_model_once
         return staged
 
     monkeypatch.setattr(ModelManager, "_build_demo", tiny_demo)
+    monkeypatch.setattr(manager_module, "demo_config", ModelConfig)  # the tiny stand-in is no 224x224 image model
 
     async def main():
         managers = [ModelManager(settings_for(tmp_path, demo_model=True)) for _ in range(3)]
