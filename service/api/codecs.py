@@ -20,8 +20,9 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from service.dataplane import refuse_classification, refuse_shared_memory, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, first_line
-from service.runtime.contract import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, InferenceRequest, Signature
+from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
 
 from .schemas import InferRequest, PredictRequest
 
@@ -149,9 +150,9 @@ def _decode_v2_inputs(
     for i, tensor in enumerate(req.inputs):
         if tensor.name in arrays:
             raise InvalidInputError(f"input {tensor.name!r} given twice")
-        dtype = _v2_dtype(tensor.name, tensor.datatype)
+        dtype = v2_dtype(tensor.name, tensor.datatype)
         params = tensor.parameters or {}
-        _refuse_shared_memory(params, f"inputs[{i}]")
+        refuse_shared_memory(params, f"inputs[{i}]")
         batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
         count = math.prod(tensor.shape)
         if "binary_data_size" in params:
@@ -169,17 +170,6 @@ def _decode_v2_inputs(
             f"binary data: inputs declare {offset} bytes, the body has {len(tail)} after the JSON header"
         )
     return arrays, batches
-
-
-def _v2_dtype(name: str, datatype: str) -> np.dtype:
-    dtype = KSERVE_TO_NUMPY.get(datatype)
-    if dtype is not None:
-        return dtype
-    if datatype == "BYTES":
-        raise InvalidInputError(f"input {name!r}: datatype BYTES is not supported (numeric tensors only)")
-    raise InvalidInputError(
-        f"input {name!r}: unknown datatype {datatype[:16]!r}; supported: {', '.join(KSERVE_TO_NUMPY)}"
-    )
 
 
 def _binary_tensor(
@@ -221,24 +211,14 @@ def _requested_outputs(
     default = _bool_param(req.parameters or {}, "binary_data_output", False, "parameters")
     if req.outputs is None:
         return None, dict.fromkeys(model_outputs, default)
-    known = set(model_outputs)
     binary: dict[str, bool] = {}
     for i, out in enumerate(req.outputs):
-        if out.name not in known:
-            raise BadRequestError(f"unknown output {out.name!r}; the model has: {', '.join(model_outputs)}")
-        if out.name in binary:
-            raise BadRequestError(f"output {out.name!r} requested twice")
+        requested_output(out.name, model_outputs, binary)
         params = out.parameters or {}
-        _refuse_shared_memory(params, f"outputs[{i}]")
-        if params.get("classification"):
-            raise BadRequestError(f"outputs[{i}]: the classification extension is not supported")
+        refuse_shared_memory(params, f"outputs[{i}]")
+        refuse_classification(params, f"outputs[{i}]")
         binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
     return list(binary), binary
-
-
-def _refuse_shared_memory(params: Mapping[str, Any], where: str) -> None:
-    if any(key.startswith("shared_memory") for key in params):
-        raise BadRequestError(f"{where}: the shared-memory extension is not supported")
 
 
 def _bool_param(params: Mapping[str, Any], key: str, default: bool, where: str) -> bool:

@@ -21,7 +21,7 @@ from .bodies import MIB, read_body
 from .codecs import NPY_MEDIA_TYPE, arrays_from_nested, decode_npy, decode_predict, dumps, encode_npy
 from .codecs import outputs_payload as jsonable_outputs
 from .deps import dataplane_of, settings_of
-from .inference import Observed, infer
+from .inference import Observed
 from .schemas import ErrorBody, PredictRequest, PredictResponse, json_body
 
 router = APIRouter(tags=["inference"])
@@ -65,8 +65,8 @@ async def predict(
             req = decode_predict(body)
             mv = dataplane.model_for_infer(req.model or model, req.version or version)
             inputs = arrays_from_nested(req.inputs, mv.signature)
-        obs.model = mv.name
-        obs.result = await infer(request, mv, mv.signature.request(inputs))
+        obs.resolved(mv)
+        await obs.infer(mv, mv.signature.request(inputs))
         if NPY_MEDIA_TYPE in request.headers.get("accept", "") and len(obs.result.outputs) == 1:
             (array,) = obs.result.outputs.values()
             return Response(encode_npy(array), media_type=NPY_MEDIA_TYPE)

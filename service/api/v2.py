@@ -16,7 +16,7 @@ from starlette.responses import Response
 from .bodies import MIB, read_body
 from .codecs import decode_v2_request, encode_v2_response, json_response
 from .deps import dataplane_of, settings_of
-from .inference import Observed, infer
+from .inference import Observed
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelMetadata, ServerMetadata, json_body
 
 router = APIRouter(tags=["kserve-v2"])
@@ -97,9 +97,9 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
     async with Observed(request, "v2_infer") as obs:
         body = await read_body(request, settings_of(request).max_request_mb * MIB)
         mv = dataplane_of(request).model_for_infer(name, version)
-        obs.model = mv.name
+        obs.resolved(mv)
         decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature)
-        obs.result = await infer(request, mv, decoded.request)
+        await obs.infer(mv, decoded.request)
         content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, obs.result.outputs, decoded.binary)
     if json_length is None:
         return Response(content, media_type="application/json")
