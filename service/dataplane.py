@@ -238,7 +238,7 @@ class DataPlane:
             "platform": PLATFORM,
             "backend": "onnxruntime",
             "max_batch_size": mv.max_batch_size,
-            "input": [_tensor_config(s, batched) for s in mv.signature.inputs],
+            "input": [{**_tensor_config(s, batched), "format": "FORMAT_NONE"} for s in mv.signature.inputs],
             "output": [_tensor_config(s, batched) for s in mv.signature.outputs],
             "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_s * 1e6)},
             "version_policy": {"latest": {"num_versions": 1}},
@@ -359,7 +359,8 @@ def describe_version(mv: ModelVersion) -> dict[str, Any]:
 
 def _tensor_config(spec: TensorSpec, batched: bool) -> dict[str, Any]:
     dims = spec.kserve_shape()[1:] if batched else spec.kserve_shape()
-    return {"name": spec.name, "data_type": f"TYPE_{spec.datatype}", "format": "FORMAT_NONE", "dims": dims}
+    """Triton's ``ModelInput`` / ``ModelOutput`` fields (inputs add ``format``; outputs have none)."""
+    return {"name": spec.name, "data_type": f"TYPE_{spec.datatype}", "dims": dims}
 
 
 def _looks_like_path(value: str) -> bool:
