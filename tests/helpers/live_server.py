@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -41,11 +42,11 @@ class Server:
         demo: bool = False,
         ready_timeout: float = 60.0,
         env: dict[str, str] | None = None,
-        verify: str | bool = True,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.logs = logs
         self.model_dir = model_dir
-        self.verify = verify  # httpx's: the CA file of a TLS server's certificate
+        self.verify = verify  # httpx's: a context trusting a TLS server's certificate
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
         full_env.update(
             SERVICE_ADMIN_TOKEN=TOKEN,
