@@ -6,7 +6,9 @@ fastest variant), warmed and only then returned READY; a failure at any step lea
 startup every stored version is loaded again, reusing its optimized files while their cache key (original's
 sha256 + optimizer version + graph settings) and checksums match, otherwise optimizing again. Nothing here
 blocks the event loop: optimizing runs in a child process, loading and disk I/O in threads, inference on
-each batcher's engine threads. This package knows nothing about HTTP; it raises ``service.errors`` classes.
+each batcher's engine threads. A model unloaded through the repository extension (``registry.repository``)
+keeps its versions in the table as UNLOADED, without engines, until it is loaded again; a restart keeps it
+so. This package knows no protocol; it raises ``service.errors`` classes.
 """
 
 from __future__ import annotations
