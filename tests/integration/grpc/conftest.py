@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from builders import tiny_cnn, two_inputs
-from inprocess import AUTH, OCTET, make_settings
+from grpc_kit import put_model, start
 from threaded_server import ThreadedServer
 
 
@@ -23,16 +22,6 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def tiny_bytes() -> bytes:
     return tiny_cnn(seed=0)
-
-
-def put_model(url: str, name: str, model: bytes, config: str | None = None) -> None:
-    r = httpx.post(f"{url}/v1/models/{name}", content=model, params={"config": config} if config else None,
-                   headers={**AUTH, "content-type": OCTET}, timeout=120)
-    assert r.status_code == 201, r.text
-
-
-def start(tmp: Path, **overrides: object) -> ThreadedServer:
-    return ThreadedServer(make_settings(tmp, port=0, grpc_port=0, **overrides))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
-from conftest import put_model, start
+from grpc_kit import put_model, start
 from inprocess import AUTH, OCTET, TOKEN
 from threaded_server import ThreadedServer
 from tritonclient.utils import InferenceServerException

@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import put_model
+from grpc_kit import put_model
 from threaded_server import ThreadedServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
