@@ -2,7 +2,7 @@
 # Production image of the ONNX CNN model server for NVIDIA GPUs.
 #
 #   docker build -t onnx-cnn-serve .
-#   docker run --gpus all -p 127.0.0.1:8000:8000 -v onnx-models:/models onnx-cnn-serve
+#   docker run --gpus all -p 127.0.0.1:8000:8000 -p 127.0.0.1:8001:8001 -v onnx-models:/models onnx-cnn-serve
 #   (or: docker compose -f docker/compose.yaml up; see that file)
 #
 # Base image: NVIDIA's official CUDA 13 + cuDNN 9 runtime image rather than a slim Python image with
@@ -82,13 +82,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     SERVICE_HOST=0.0.0.0 \
     SERVICE_PORT=8000 \
+    SERVICE_GRPC_PORT=8001 \
     SERVICE_MODEL_DIR=/models
 
 # Uploaded models, their optimized forms and metadata: keep them across container restarts.
 VOLUME ["/models"]
 WORKDIR /models
 USER 10001:10001
-EXPOSE 8000
+# REST (KServe V2, /predict, management, /metrics) and KServe V2 gRPC.
+EXPOSE 8000 8001
 
 # Ready means every stored model is optimized, loaded and warmed (CUDA graphs captured); the
 # load-time autotuner and cuDNN's exhaustive search can take minutes on a new GPU, hence the

@@ -12,7 +12,11 @@ on the same uvicorn that reads the same body and answers with a response of the 
 installed); ``floor_raw`` is no framework at all (bench/raw_http_server.py, an asyncio BufferedProtocol
 answering from its receive buffer), the least any Python HTTP layer could cost here. ``floor_heap_kept``
 gives the bare app the glibc heap thresholds the server sets (service/server/process.py).
-``service_workers`` runs 2 workers and the engine process (the hand-over between processes). ``baseline``
+``service_workers`` runs 2 workers and the engine process (the hand-over between processes). ``service_grpc``
+is the same server as ``service`` asked over gRPC (one unary ``ModelInfer`` at a time with grpc's blocking stub,
+the prebuilt request in ``raw_input_contents``); with ``--concurrency 8,32`` the two are also loaded by N
+clients back to back (bench/service.py's load generators: raw HTTP/1.1 and grpc.aio) and their throughput
+recorded per round. ``baseline``
 (with ``--baseline-tree``) is the same server from another checkout, e.g. the commit before a change. The
 variants alternate in rounds so that all see the same minutes of a shared host.
 Prints a table and writes ``bench/results/http-overhead-<date>.json``.
@@ -41,8 +45,11 @@ from bench import common  # noqa: E402
 from bench.service import (  # noqa: E402
     Server,
     binary_payload,
+    grpc_payload,
+    run_point,
     running,
     service_server,
+    single_grpc_latency,
     single_request_latency,
 )
 from service.server import process  # noqa: E402
@@ -50,6 +57,7 @@ from service.server import process  # noqa: E402
 TOKEN = "bench-http-overhead-token-0123456789"
 VARIANTS = (
     "service",
+    "service_grpc",
     "service_workers",
     "baseline",
     "floor",
@@ -136,18 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--baseline-tree", type=Path, help="a checkout of another commit: adds variant baseline")
+    parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[],
+                        help="also load service and service_grpc with N clients back to back (e.g. 8,32)")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/http-overhead-<date>.json)")
     args = parser.parse_args(argv)
-    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "httptools", "uvloop", "fastapi"))
+    head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "httptools", "uvloop", "fastapi", "grpcio"))
     model = light_model()
     sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
     payload = binary_payload("light", "input", "output", sample, 3)
+    grpc_request = grpc_payload("light", "input", "output", sample, 3, "grpc")
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
     variants = [v for v in args.variants if v != "floor_granian" or importlib.util.find_spec("granian")]
     variants = [v for v in variants if v != "baseline" or args.baseline_tree is not None]
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    loaded: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         work = Path(tmp)
         for name in ("service", "baseline") if "baseline" in variants else ("service",):  # each store keeps it
@@ -157,7 +169,18 @@ def main(argv: list[str] | None = None) -> int:
             names = variants if index % 2 == 0 else variants[::-1]
             for name in names:
                 with running(variant_server(name, work, index, args.baseline_tree), 120) as server:
-                    times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
+                    if name == "service_grpc":
+                        assert server.grpc_target is not None
+                        times = single_grpc_latency(server.grpc_target, grpc_request, requests=args.requests, warmup=50)
+                    else:
+                        times = single_request_latency(server.url, payload, requests=args.requests, warmup=50)
+                    for clients in args.concurrency if name in ("service", "service_grpc") else ():
+                        grpc_call = name == "service_grpc"
+                        point = run_point(server.grpc_target if grpc_call else server.url,
+                                          grpc_request if grpc_call else payload, clients, 1.0, 3.0, client="raw")
+                        loaded.setdefault((name, clients), []).append(point.requests / point.seconds)
+                        print(f"round {index + 1}: {name:15s} c={clients}: {loaded[name, clients][-1]:.0f}/s "
+                              f"errors {point.errors}", flush=True)
                 samples[name].append(statistics.median(times))
                 print(f"round {index + 1}: {name:15s} p50 {samples[name][-1]:.3f} ms", flush=True)
     engine = engine_ms(model)
@@ -175,12 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         "engine_run_ms_b1": engine,
         "rounds": args.rounds,
         "requests_per_round": args.requests,
-        "client": "http.client, one request at a time, kept-alive connection",
+        "client": "http.client, one request at a time, kept-alive connection (service_grpc: grpc's blocking stub)",
         "rows": rows,
     }
+    if loaded:
+        document["throughput"] = [
+            {"variant": name, "concurrency": clients, "requests_per_s_median_of_rounds": statistics.median(values),
+             "round_values": [round(v, 1) for v in values]}
+            for (name, clients), values in sorted(loaded.items())
+        ]
     p50 = {row["variant"]: row["p50_ms_median_of_rounds"] for row in rows}
     if "service" in p50 and "floor" in p50:
         document["service_minus_floor_ms"] = p50["service"] - p50["floor"]
+    if "service" in p50 and "service_grpc" in p50:
+        document["grpc_minus_rest_ms"] = p50["service_grpc"] - p50["service"]
     if "service" in p50 and "service_workers" in p50:
         document["workers_minus_service_ms"] = p50["service_workers"] - p50["service"]
     if "service" in p50 and "baseline" in p50:
@@ -195,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         title=f"one binary request (engine alone: {engine:.3f} ms)",
         digits=3,
     )
+    if loaded:
+        common.print_table(document["throughput"], ["variant", "concurrency", "requests_per_s_median_of_rounds"],
+                           title="throughput, N clients back to back (requests/s)", digits=1)
     print(f"wrote {path}")
     return 0
 

@@ -18,6 +18,12 @@ In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
    ``--client aiohttp``: aiohttp, which capped every figure at about 1,150 requests/s on the H200 host);
    KServe V2 binary requests (``binary``) and JSON ``/predict`` (``json``; the naive server speaks only
    that). ``client_ceiling`` (bench/raw_http_server.py answers at once) shows what the client can send.
+   KServe V2 over gRPC (``grpc``: unary ``ModelInfer``; ``grpc_stream``: one ``ModelStreamInfer`` stream per
+   worker, one request in flight on it): a raw ``grpc.aio`` client, one channel (HTTP/2 connection) per
+   worker, sending one prebuilt, serialized ``ModelInferRequest`` with ``raw_input_contents`` (no protobuf
+   work per call but parsing the answer). At each concurrency the series run one after the other, so gRPC
+   and REST binary alternate within one server run; a lone request of each (blocking client: http.client,
+   grpc's sync stub) is measured first.
 
 Reported per point: throughput (samples/s), p50/p99 latency, the mean engine batch (from the server's
 /metrics) and the throughput as a fraction of the engine's own at that batch size. Summary: a single
@@ -66,7 +72,7 @@ from bench import common, cpu_usage  # noqa: E402
 DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
     "naive": ("json",),
-    "service_workers": ("binary", "binary_b*"),
+    "service_workers": ("binary", "binary_b*", "grpc*"),
     "client_ceiling": ("binary",),
 }
 """Series (fnmatch patterns) per server where not all: the naive server speaks only JSON; the workers are
@@ -79,7 +85,7 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
 the settings each one changes."""
 # httptools and uvloop: uvicorn falls back to its pure-Python parser and asyncio's loop without them
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httptools", "uvloop", "httpx",
-            "orjson")
+            "orjson", "grpcio", "tritonclient", "protobuf")
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -99,6 +105,8 @@ class Server:
     ready_path: str
     log_path: Path
     port: int = field(default_factory=free_port)
+    grpc_port: int | None = None
+    """The server's gRPC port (ours: ``SERVICE_GRPC_PORT``; None: it speaks no gRPC)."""
     process: subprocess.Popen[bytes] | None = None
     cwd: Path = ROOT
     """Where the server runs (another checkout for a baseline of an earlier commit)."""
@@ -106,6 +114,10 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_target(self) -> str | None:
+        return None if self.grpc_port is None else f"127.0.0.1:{self.grpc_port}"
 
     @property
     def pid(self) -> int | None:
@@ -168,9 +180,11 @@ def service_server(
         {"SERVICE_DEMO_MODEL": "true", device_variable: device, "SERVICE_LOG_LEVEL": "warning",
          "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     )
+    grpc_port = free_port()
+    base["SERVICE_GRPC_PORT"] = str(grpc_port)  # a tree without gRPC ignores it
     base.update(env)  # the caller's settings win
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
-    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log", cwd=tree)
+    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log", cwd=tree, grpc_port=grpc_port)
 
 
 def naive_server(model_path: Path, device: str, logs: Path) -> Server:
@@ -234,12 +248,31 @@ def json_payload(model: str, input_name: str, output_name: str, sample: np.ndarr
     return Payload("json", "/predict", body, headers, sample.shape[0], output_name, out_count)
 
 
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+GRPC_STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def grpc_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int,
+                 series: str) -> Payload:
+    """A serialized ``ModelInferRequest``, the input in ``raw_input_contents`` (what tritonclient.grpc sends);
+    ``path`` is the RPC's method name."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name=input_name, datatype="FP32", shape=sample.shape)
+    request.outputs.add(name=output_name)
+    request.raw_input_contents.append(sample.astype("<f4").tobytes())
+    path = GRPC_STREAM if series == "grpc_stream" else GRPC_INFER
+    return Payload(series, path, request.SerializeToString(), {}, sample.shape[0], output_name, out_count)
+
+
 def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_count: int) -> Payload:
-    """The request of a series: ``binary`` and ``json`` carry one sample, ``binary_bN`` N samples (a
-    client that batches itself: the service's throughput at batch N without N requests' HTTP cost)."""
-    match = re.fullmatch(r"binary_b(\d+)|binary|json", series)
+    """The request of a series: ``binary``, ``json``, ``grpc`` and ``grpc_stream`` carry one sample,
+    ``binary_bN`` N samples (a client that batches itself: the service's throughput at batch N without N
+    requests' HTTP cost)."""
+    match = re.fullmatch(r"binary_b(\d+)|binary|json|grpc|grpc_stream", series)
     if not match:
-        raise ValueError(f"unknown series {series!r}: binary, json or binary_bN")
+        raise ValueError(f"unknown series {series!r}: binary, json, grpc, grpc_stream or binary_bN")
     samples = int(match.group(1) or 1)
     shape = (samples, *input_meta["shape"][1:])
     rng = np.random.default_rng(0)
@@ -247,8 +280,31 @@ def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_
         sample = rng.integers(0, 256, shape, dtype=np.uint8)
     else:
         sample = rng.standard_normal(shape, dtype=np.float32)
+    if series.startswith("grpc"):
+        return grpc_payload(DEMO_MODEL, input_meta["name"], output_name, sample, out_count, series)
     maker = json_payload if series == "json" else binary_payload
     return maker(DEMO_MODEL, input_meta["name"], output_name, sample, out_count)
+
+
+def is_grpc(payload: Payload) -> bool:
+    return payload.series.startswith("grpc")
+
+
+def grpc_reply_ok(payload: Payload, reply: bytes) -> tuple[bool, str]:
+    """An answer (a serialized ``ModelInferResponse``, or ``ModelStreamInferResponse`` on a stream) whose
+    first raw output has the expected size."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    if payload.path == GRPC_STREAM:
+        streamed = pb.ModelStreamInferResponse.FromString(reply)
+        if streamed.error_message:
+            return False, streamed.error_message[:200]
+        response = streamed.infer_response
+    else:
+        response = pb.ModelInferResponse.FromString(reply)
+    raws = response.raw_output_contents
+    ok = len(raws) == 1 and len(raws[0]) == payload.samples * payload.output_count * 4
+    return ok, "" if ok else f"unexpected answer: {len(raws)} raw outputs"
 
 
 def response_ok(payload: Payload, status: int, headers: Any, content: bytes) -> bool:
@@ -380,12 +436,57 @@ async def _load_raw(url: str, payload: Payload, workers: int, window_start: floa
     return tally.result()
 
 
+async def _load_grpc(target: str, payload: Payload, workers: int, window_start: float,
+                     window_end: float) -> PointResult:
+    """The same load over gRPC: each worker has its own channel (one HTTP/2 connection, as each REST worker
+    has its own connection, so that several server workers share the load) and sends the prebuilt
+    serialized request, unary (``grpc``) or on one long-lived stream (``grpc_stream``), the next as soon
+    as the answer is in."""
+    import grpc
+
+    tally = _Tally(window_start, window_end)
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+               ("grpc.use_local_subchannel_pool", 1)]
+
+    async def unary(channel: Any) -> None:
+        call = channel.unary_unary(payload.path)  # bytes in, bytes out: no serializer
+        while time.monotonic() < window_end:
+            start = time.perf_counter()
+            try:
+                ok, reason = grpc_reply_ok(payload, await call(payload.body, timeout=120))
+            except grpc.aio.AioRpcError as exc:
+                ok, reason = False, f"{exc.code().name}: {exc.details()}"
+            tally.record(ok, reason, (time.perf_counter() - start) * 1e3)
+
+    async def streamed(channel: Any) -> None:
+        stream = channel.stream_stream(payload.path)(timeout=3600)
+        try:
+            while time.monotonic() < window_end:
+                start = time.perf_counter()
+                await stream.write(payload.body)
+                reply = await stream.read()
+                ok, reason = (False, "the stream ended") if reply is grpc.aio.EOF else grpc_reply_ok(payload, reply)
+                tally.record(ok, reason, (time.perf_counter() - start) * 1e3)
+            await stream.done_writing()
+        except grpc.aio.AioRpcError as exc:
+            tally.record(False, f"{exc.code().name}: {exc.details()}", 0.0)
+
+    async def worker() -> None:
+        async with grpc.aio.insecure_channel(target, options=options) as channel:
+            await (streamed(channel) if payload.path == GRPC_STREAM else unary(channel))
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return tally.result()
+
+
 CLIENTS = {"aiohttp": _load, "raw": _load_raw}
 
 
 def _client_process(url: str, payload: Payload, workers: int, window_start: float, window_end: float,
                     client: str = "aiohttp"):
-    return _run_loop(CLIENTS[client](url, payload, workers, window_start, window_end))
+    """``url``: the gRPC target (host:port) for a gRPC payload, whatever ``client`` says."""
+    load = _load_grpc if is_grpc(payload) else CLIENTS[client]
+    return _run_loop(load(url, payload, workers, window_start, window_end))
 
 
 def _run_loop(coroutine: Any) -> PointResult:
@@ -713,18 +814,42 @@ def single_request_latency(url: str, payload: Payload, requests: int = 200, warm
     return times
 
 
+def single_grpc_latency(target: str, payload: Payload, requests: int = 200, warmup: int = 20) -> list[float]:
+    """Latencies (ms) of unary calls sent one at a time on one channel by grpc's blocking stub."""
+    import grpc
+
+    times = []
+    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        call = channel.unary_unary(GRPC_INFER)
+        for index in range(warmup + requests):
+            started = time.perf_counter()
+            reply = call(payload.body, timeout=30)
+            elapsed = (time.perf_counter() - started) * 1e3
+            ok, reason = grpc_reply_ok(payload, reply)
+            if not ok:
+                raise RuntimeError(f"single gRPC request failed: {reason}")
+            if index >= warmup:
+                times.append(elapsed)
+    return times
+
+
 def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Namespace, eng: EngineTable) -> list:
     rows = []
     with running(server, args.ready_timeout):
         for payload in payloads:
-            if server.name.startswith("service") and payload.series == "binary":
+            if server.name.startswith("service") and payload.series in ("binary", "grpc"):
+                grpc_call = payload.series == "grpc"
                 timing_before = server_timing(server.url)
-                times = single_request_latency(server.url, payload)
+                if grpc_call:
+                    assert server.grpc_target is not None
+                    times = single_grpc_latency(server.grpc_target, payload)
+                else:
+                    times = single_request_latency(server.url, payload)
                 server_ms = server_means_ms(timing_before, server_timing(server.url))
                 rows.append(
                     {
                         "server": server.name,
-                        "series": "binary_sync",
+                        "series": f"{payload.series}_sync",
                         "concurrency": 1,
                         "p50_ms": float(np.median(times)),
                         "p99_ms": float(np.percentile(times, 99)),
@@ -739,16 +864,18 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
                     }
                 )
                 print(
-                    f"  {server.name:15s} binary one request at a time (blocking client): "
+                    f"  {server.name:15s} {payload.series} one request at a time (blocking client): "
                     f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms mean {rows[-1]['mean_ms']:.3f}"
                     f" ms; server means {_fmt_parts(server_ms)}",
                     flush=True,
                 )
-        for payload in payloads:
-            for concurrency in args.concurrency:
+        for concurrency in args.concurrency:  # the series alternate at each concurrency
+            for payload in payloads:
                 before = batch_counters(server.url)
                 cpu_before = cpu_usage.snapshot(server.pid)
-                point = run_point(server.url, payload, concurrency, args.warmup, args.duration,
+                target = server.grpc_target if is_grpc(payload) else server.url
+                assert target is not None, f"{server.name} speaks no gRPC"
+                point = run_point(target, payload, concurrency, args.warmup, args.duration,
                                   procs=args.client_procs, client=args.client)
                 cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid))
                 after = batch_counters(server.url)
@@ -762,7 +889,7 @@ def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Nam
                 row["cpu"] = cpu
                 rows.append(row)
                 print(
-                    f"  {server.name:15s} {payload.series:6s} c={concurrency:3d}: {row['throughput']:8.1f}/s "
+                    f"  {server.name:15s} {payload.series:11s} c={concurrency:3d}: {row['throughput']:8.1f}/s "
                     f"p50 {row['p50_ms']:8.2f} ms p99 {row['p99_ms']:8.2f} ms batch {_fmt(batch)} "
                     f"errors {point.errors}{cpu_usage.describe(cpu)}",
                     flush=True,
@@ -804,6 +931,10 @@ def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) 
     summary["ratios"] = []
     for c in concurrencies:
         entry: dict[str, Any] = {"concurrency": c}
+        for series in ("grpc", "grpc_stream"):  # gRPC against REST binary, same server, same run
+            ours, rest = _find(rows, "service", series, c), _find(rows, "service", "binary", c)
+            entry[f"{series}_vs_binary"] = _ratio(ours and ours["throughput"], rest and rest["throughput"])
+            entry[f"{series}_p50_vs_binary"] = _ratio(ours and ours["p50_ms"], rest and rest["p50_ms"])
         for series in ("binary", "json"):
             ours = _find(rows, "service", series, c)
             nobatch = _find(rows, "service_nobatch", series, c)
@@ -829,6 +960,7 @@ def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[
     low, high = min(concurrencies), (32 if 32 in concurrencies else max(concurrencies))
     single = _find(rows, server, "binary", low)
     alone = _find(rows, server, "binary_sync", 1)
+    alone_grpc = _find(rows, server, "grpc_sync", 1)
     many = _find(rows, server, "binary", high)
     engine_p50 = eng.run_ms[1]
     summary: dict[str, Any] = {
@@ -839,6 +971,8 @@ def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[
         "single_request_ratio": _ratio(alone and alone["p50_ms"], engine_p50),
         "single_request_ratio_async_client": _ratio(single and single["p50_ms"], engine_p50),
         "http_overhead_ms": (alone["p50_ms"] - engine_p50) if alone else None,
+        "grpc_p50_ms_one_at_a_time": alone_grpc and alone_grpc["p50_ms"],
+        "grpc_vs_binary_p50_one_at_a_time": _ratio(alone_grpc and alone_grpc["p50_ms"], alone and alone["p50_ms"]),
         f"throughput_c{high}_vs_c{low}": _ratio(many and many["throughput"], single and single["throughput"]),
         "best_engine_fraction_by_series": _best_fraction_by_series(rows, server),
     }
@@ -882,7 +1016,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json",
-                        help="comma-separated: binary, json, binary_bN (requests of N samples each)")
+                        help="comma-separated: binary, json, grpc (unary ModelInfer), grpc_stream (ModelStreamInfer), "
+                        "binary_bN (requests of N samples each)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/service-<date>-<dev>.json)")
     parser.add_argument(
@@ -1046,6 +1181,9 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
         "json_vs_nobatch",
         "json_vs_naive_json",
         *(f"{name}_vs_service_binary" for name in summary["variants"]),
+        "grpc_vs_binary",
+        "grpc_p50_vs_binary",
+        "grpc_stream_vs_binary",
         *(["service_binary_vs_client_ceiling"] if summary["client_ceiling_max_throughput"] else []),
     ]
     common.print_table(summary["ratios"], ratio_columns, title="throughput ratios (same run)", digits=2)

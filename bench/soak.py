@@ -77,6 +77,7 @@ class SoakServer:
             SERVICE_DEMO_MODEL="false",
             SERVICE_LOG_LEVEL="warning",
             SERVICE_CPU_THREADS=str(engine_threads),
+            SERVICE_GRPC_PORT="0",  # a free one: the soak drives REST only
             PYTHONPATH=str(ROOT),
         )
         self.log = workdir / "server.log"

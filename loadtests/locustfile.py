@@ -1,4 +1,5 @@
-"""Locust load test of the model server: JSON ``/predict``, KServe V2 binary infer, light management.
+"""Locust load test of the model server: JSON ``/predict``, KServe V2 binary infer, KServe V2 over gRPC,
+light management.
 
 Headless (see loadtests/README.md):
     locust -f loadtests/locustfile.py --headless -u 16 -r 8 -t 60s --host http://127.0.0.1:8000
@@ -15,23 +16,38 @@ Environment:
     LOADTEST_WAIT_S       upper bound of an inference user's random think time (default 0: no pause)
     LOADTEST_ADMIN_TOKEN  bearer token for ``GET /v1/models`` (falls back to SERVICE_ADMIN_TOKEN);
                           without one the management user reads only the public KServe endpoints
+    LOADTEST_GRPC_TARGET  host:port of the gRPC listener (default: --host's host, port 8001; "off": no
+                          gRPC user)
+
+The gRPC user sends a prebuilt ``ModelInferRequest`` (raw tensors) on one channel per user through the plain
+generated stub, and reports each call to locust's ``request`` event as type "grpc". grpc is made
+gevent-cooperative (``init_gevent``) before any channel exists, so a call blocks only its own user.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlparse
 
-from locust import between, constant, task
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import User, between, constant, task
 from locust.contrib.fasthttp import FastHttpUser
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the sibling module, wherever locust is started from
 from payloads import (
     ModelInfo,
+    check_grpc_response,
     check_kserve_response,
     check_predict_response,
+    grpc_infer_request,
+    grpc_metadata,
     kserve_binary_body,
     make_inputs,
     parse_metadata,
@@ -43,6 +59,10 @@ BATCH = int(os.environ.get("LOADTEST_BATCH", "1"))
 SHAPE_OVERRIDE = os.environ.get("LOADTEST_SHAPE", "")
 WAIT_S = float(os.environ.get("LOADTEST_WAIT_S", "0"))
 ADMIN_TOKEN = os.environ.get("LOADTEST_ADMIN_TOKEN") or os.environ.get("SERVICE_ADMIN_TOKEN") or ""
+GRPC_TARGET = os.environ.get("LOADTEST_GRPC_TARGET", "")
+GRPC_TIMEOUT_S = 30.0
+
+grpc_gevent.init_gevent()
 
 
 class _ModelUser(FastHttpUser):
@@ -108,6 +128,48 @@ class InferenceUser(_ModelUser):
             problem = check_predict_response(self.info, resp.json(), BATCH)
             if problem:
                 resp.failure(problem)
+
+
+class GrpcInferenceUser(User):
+    """A client sending KServe V2 ``ModelInfer`` calls back to back over gRPC."""
+
+    abstract = GRPC_TARGET.lower() == "off"
+    weight = 4
+    wait_time = between(0, WAIT_S) if WAIT_S > 0 else constant(0)
+
+    def on_start(self) -> None:
+        target = GRPC_TARGET or f"{urlparse(self.host).hostname or '127.0.0.1'}:8001"
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)])
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        metadata = self._call("ModelMetadata", self.stub.ModelMetadata, pb.ModelMetadataRequest(name=MODEL))
+        if metadata is None:
+            raise RuntimeError(f"cannot read the metadata of model {MODEL!r} over gRPC at {target}")
+        self.info = parse_metadata(grpc_metadata(metadata))
+        arrays = make_inputs(self.info, BATCH, seed=id(self) % 2**32, shape_override=SHAPE_OVERRIDE)
+        self.request = grpc_infer_request(self.info, arrays)
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def _call(self, name: str, method, request, check=None):  # -> the response, or None when it failed
+        start = time.perf_counter()
+        response, failure = None, None
+        try:
+            response = method(request, timeout=GRPC_TIMEOUT_S)
+            problem = check(response) if check is not None else None
+            failure = RuntimeError(problem) if problem else None
+        except grpc.RpcError as exc:
+            failure = RuntimeError(f"{exc.code().name}: {exc.details()}")
+        self.environment.events.request.fire(
+            request_type="grpc", name=name, response_time=(time.perf_counter() - start) * 1000,
+            response_length=response.ByteSize() if response is not None else 0, exception=failure, context={},
+        )
+        return None if failure else response
+
+    @task
+    def infer_grpc(self) -> None:
+        self._call("ModelInfer", self.stub.ModelInfer, self.request,
+                   lambda response: check_grpc_response(self.info, response, BATCH))
 
 
 class ManagementUser(_ModelUser):

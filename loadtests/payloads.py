@@ -146,3 +146,41 @@ def check_predict_response(info: ModelInfo, body: dict, batch: int) -> str | Non
         if not shape_matches(t.shape, shape, batch):
             return f"output {t.name!r} has shape {list(shape)}, expected {[batch, *t.shape[1:]]}"
     return None
+
+
+# ------------------------------------------------------------------ KServe V2 over gRPC
+def grpc_infer_request(info: ModelInfo, arrays: dict[str, np.ndarray]):  # -> pb.ModelInferRequest
+    """A ``ModelInferRequest`` with every input in ``raw_input_contents`` (what tritonclient.grpc sends),
+    built once and sent as it is by each call."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=info.name)
+    for t in info.inputs:
+        array = np.ascontiguousarray(arrays[t.name]).astype(arrays[t.name].dtype.newbyteorder("<"))
+        request.inputs.add(name=t.name, datatype=t.datatype, shape=array.shape)
+        request.raw_input_contents.append(array.tobytes())
+    return request
+
+
+def grpc_metadata(response) -> dict:
+    """A ``ModelMetadataResponse`` as the REST metadata JSON (for ``parse_metadata``)."""
+
+    def tensors(items) -> list[dict]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+    return {"name": response.name, "inputs": tensors(response.inputs), "outputs": tensors(response.outputs)}
+
+
+def check_grpc_response(info: ModelInfo, response, batch: int) -> str | None:
+    """None when every output has the promised shape and as many raw bytes as it needs, else the reason."""
+    outputs = {o.name: (o, i) for i, o in enumerate(response.outputs)}
+    for t in info.outputs:
+        if t.name not in outputs:
+            return f"output {t.name!r} missing"
+        out, index = outputs[t.name]
+        if not shape_matches(t.shape, list(out.shape), batch):
+            return f"output {t.name!r} has shape {list(out.shape)}, expected {[batch, *t.shape[1:]]}"
+        need = math.prod(out.shape) * np.dtype(KSERVE_DTYPES[out.datatype]).itemsize
+        if index >= len(response.raw_output_contents) or len(response.raw_output_contents[index]) != need:
+            return f"output {t.name!r}: raw_output_contents does not match shape {list(out.shape)}"
+    return None

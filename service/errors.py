@@ -1,8 +1,10 @@
 """Service error hierarchy.
 
-Each class carries an HTTP status and a stable machine-readable code. Only ``service.api`` turns them
-into HTTP responses (body ``{"error": "..."}``); the optimizer, runtime and store raise them without
-knowing about HTTP. Messages must never contain server paths or tracebacks: ``printable`` bounds text a
+Each class carries an HTTP status, the gRPC status code of the same meaning (``grpc_code``, a
+``grpc.StatusCode`` name, so that nothing here imports grpc) and a stable machine-readable code. Only the
+protocol layers turn them into answers: ``service.api`` into HTTP responses (body ``{"error": "..."}``),
+``service.grpc`` into gRPC statuses with the same text; the optimizer, runtime and store raise them without
+knowing about either protocol. Messages must never contain server paths or tracebacks: ``printable`` bounds text a
 client or an uploaded model supplied, ``first_line`` reduces a library's exception to a line without
 directories.
 """
@@ -36,6 +38,7 @@ def first_line(error: BaseException | str, limit: int = 200) -> str:
 
 class ServiceError(Exception):
     status: int = 500
+    grpc_code: str = "INTERNAL"
     code: str = "internal_error"
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
@@ -45,7 +48,7 @@ class ServiceError(Exception):
 
 
 class BadRequestError(ServiceError):
-    status, code = 400, "bad_request"
+    status, grpc_code, code = 400, "INVALID_ARGUMENT", "bad_request"
 
 
 class InvalidModelError(BadRequestError):
@@ -61,36 +64,43 @@ class InvalidInputError(BadRequestError):
 
 
 class UnauthorizedError(ServiceError):
-    status, code = 401, "unauthorized"
+    status, grpc_code, code = 401, "UNAUTHENTICATED", "unauthorized"
 
     def __init__(self, message: str = "missing or wrong bearer token") -> None:
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ForbiddenError(ServiceError):
-    status, code = 403, "forbidden"
+    status, grpc_code, code = 403, "PERMISSION_DENIED", "forbidden"
+
+
+class NotSupportedError(BadRequestError):
+    """A protocol extension (or a part of one) this server does not implement: a clear 400 on REST,
+    UNIMPLEMENTED on gRPC, never a bare "not found"."""
+
+    grpc_code, code = "UNIMPLEMENTED", "not_supported"
 
 
 class NotFoundError(ServiceError):
-    status, code = 404, "not_found"
+    status, grpc_code, code = 404, "NOT_FOUND", "not_found"
 
 
 class ConflictError(ServiceError):
-    status, code = 409, "conflict"
+    status, grpc_code, code = 409, "FAILED_PRECONDITION", "conflict"
 
 
 class PayloadTooLargeError(ServiceError):
-    status, code = 413, "payload_too_large"
+    status, grpc_code, code = 413, "RESOURCE_EXHAUSTED", "payload_too_large"
 
 
 class UnsupportedMediaTypeError(ServiceError):
-    status, code = 415, "unsupported_media_type"
+    status, grpc_code, code = 415, "INVALID_ARGUMENT", "unsupported_media_type"
 
 
 class UnprocessableError(ServiceError):
     """Well-formed but semantically unacceptable (e.g. the optimized graph failed verification)."""
 
-    status, code = 422, "unprocessable"
+    status, grpc_code, code = 422, "INVALID_ARGUMENT", "unprocessable"
 
 
 class OptimizationError(UnprocessableError):
@@ -104,29 +114,29 @@ class VerificationError(OptimizationError):
 
 
 class ModelNotReadyError(ServiceError):
-    status, code = 503, "model_not_ready"
+    status, grpc_code, code = 503, "UNAVAILABLE", "model_not_ready"
 
 
 class QueueFullError(ServiceError):
-    status, code = 503, "queue_full"
+    status, grpc_code, code = 503, "UNAVAILABLE", "queue_full"
 
     def __init__(self, message: str = "server busy: the model's request queue is full", retry_after_s: int = 1):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
 class ShuttingDownError(ServiceError):
-    status, code = 503, "shutting_down"
+    status, grpc_code, code = 503, "UNAVAILABLE", "shutting_down"
 
 
 class RequestTimeoutError(ServiceError):
-    status, code = 504, "timeout"
+    status, grpc_code, code = 504, "DEADLINE_EXCEEDED", "timeout"
 
 
 class InsufficientStorageError(ServiceError):
-    status, code = 507, "insufficient_storage"
+    status, grpc_code, code = 507, "RESOURCE_EXHAUSTED", "insufficient_storage"
 
 
 class EngineError(ServiceError):
     """The inference engine failed on a valid request (a server fault, reported without internals)."""
 
-    status, code = 500, "engine_error"
+    status, grpc_code, code = 500, "INTERNAL", "engine_error"

@@ -10,9 +10,9 @@ before the workers start; prometheus-client then keeps every value in per-proces
 ``render`` aggregates all live workers (counters and histograms summed, queue depth summed over the live
 workers, loaded models the maximum), so a scrape that reaches any worker sees the whole server.
 
-Label values are bounded: ``model`` is only ever the name of a model that exists (the API passes ""
-when a request named an unknown model), ``endpoint`` and ``outcome`` come from fixed sets (route names
-and ``ServiceError.code``), so a client cannot grow the series count.
+Label values are bounded: ``model`` is only ever the name of a model that exists (the protocols pass ""
+when a request named an unknown model), ``endpoint``, ``protocol`` ("rest" or "grpc") and ``outcome`` come
+from fixed sets (route or RPC names and ``ServiceError.code``), so a client cannot grow the series count.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "service_requests", "Inference requests by model, endpoint and outcome (success or error code).",
-            ["model", "endpoint", "outcome"], registry=r,
+            "service_requests", "Inference requests by model, endpoint, protocol (rest or grpc) and outcome "
+            "(success or error code).", ["model", "endpoint", "protocol", "outcome"], registry=r,
         )
         self.request_seconds = Histogram(
             "service_request_duration_seconds", "Inference request latency in the server (read to reply).",
-            ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model", "endpoint", "protocol"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.queue_seconds = Histogram(
             "service_queue_duration_seconds", "Time a request waited in its model's batching queue.",
@@ -121,12 +121,13 @@ class Metrics:
         total_s: float,
         queue_s: float | None = None,
         compute_s: float | None = None,
+        protocol: str = "rest",
     ) -> None:
         """Record one finished inference request (latencies only for successful ones)."""
-        self._labelled(self.requests, model, endpoint, outcome).inc()
+        self._labelled(self.requests, model, endpoint, protocol, outcome).inc()
         if outcome != "success":
             return
-        self._labelled(self.request_seconds, model, endpoint).observe(total_s)
+        self._labelled(self.request_seconds, model, endpoint, protocol).observe(total_s)
         if queue_s is not None:
             self._labelled(self.queue_seconds, model).observe(queue_s)
         if compute_s is not None:

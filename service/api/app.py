@@ -20,10 +20,9 @@ from service.metrics import Metrics
 from service.registry.manager import ModelManager
 from service.settings import ServiceSettings
 
-from . import health, management, metrics_route, predict, v2
+from . import extensions, health, management, metrics_route, predict, v2
 from .errors import install_error_handlers
 from .fast_path import InferFastPath
-from .inference import InFlight
 from .lifecycle import Lifecycle, lifespan
 from .schemas import BODY_MODELS
 
@@ -70,16 +69,16 @@ def create_app(
     metrics = metrics if metrics is not None else Metrics()
     if manager is None:
         manager = ModelManager(settings, metrics=metrics)
-    dataplane = DataPlane(manager)
+    dataplane = DataPlane(manager, metrics)
     app = ServiceApp(title="onnx-cnn-serve", version=server_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.manager = manager
     app.state.dataplane = dataplane
     app.state.metrics = metrics
     app.state.lifecycle = Lifecycle(dataplane, serve_before_ready=serve_before_ready, on_started=on_started)
-    app.state.inflight = InFlight()
+    app.state.inflight = dataplane.inflight  # shared with gRPC: "alone" means alone on both protocols
     install_error_handlers(app)
-    for module in (health, predict, v2, management, metrics_route):
+    for module in (health, predict, extensions, v2, management, metrics_route):  # extensions first: /v2/models/stats
         app.include_router(module.router)
     _document_bodies(app)
     return app

@@ -20,10 +20,11 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from service.dataplane import refuse_shared_memory, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, first_line
 from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
 from service.imaging.config import MAX_TOP_K
-from service.runtime.contract import KSERVE_TO_NUMPY, NUMPY_TO_KSERVE, InferenceRequest, Signature
+from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
 
 from .images import decode_base64
 from .schemas import InferRequest, PredictRequest
@@ -182,7 +183,7 @@ def _decode_v2_inputs(
         if tensor.name in arrays or (images is not None and tensor.name == images_for):
             raise InvalidInputError(f"input {tensor.name!r} given twice")
         params = tensor.parameters or {}
-        _refuse_shared_memory(params, f"inputs[{i}]")
+        refuse_shared_memory(params, f"inputs[{i}]")
         size = None
         if "binary_data_size" in params:
             if tensor.data is not None:
@@ -196,7 +197,7 @@ def _decode_v2_inputs(
                                tail[offset : offset + size])  # fmt: skip
             offset += size or 0
             continue
-        dtype = _v2_dtype(tensor.name, tensor.datatype)
+        dtype = v2_dtype(tensor.name, tensor.datatype)
         batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
         count = math.prod(tensor.shape)
         if size is not None:
@@ -227,17 +228,6 @@ def v2_images(name: str, shape: list[int], data: Any, raw: memoryview | None) ->
     if len(flat) != count:
         raise InvalidInputError(f"input {name!r}: shape {shape} needs {count} images, data has {len(flat)}")
     return [decode_base64(text, index) for index, text in enumerate(flat)]
-
-
-def _v2_dtype(name: str, datatype: str) -> np.dtype:
-    dtype = KSERVE_TO_NUMPY.get(datatype)
-    if dtype is not None:
-        return dtype
-    if datatype == "BYTES":
-        raise InvalidInputError(f"input {name!r}: datatype BYTES is not supported (numeric tensors only)")
-    raise InvalidInputError(
-        f"input {name!r}: unknown datatype {datatype[:16]!r}; supported: {', '.join(KSERVE_TO_NUMPY)}"
-    )
 
 
 def _binary_tensor(
@@ -285,12 +275,9 @@ def _requested_outputs(
     binary: dict[str, bool] = {}
     classes: dict[str, int] = {}
     for i, out in enumerate(req.outputs):
-        if out.name not in known:
-            raise BadRequestError(f"unknown output {out.name!r}; the model has: {', '.join(model_outputs)}")
-        if out.name in binary:
-            raise BadRequestError(f"output {out.name!r} requested twice")
+        requested_output(out.name, known, binary)
         params = out.parameters or {}
-        _refuse_shared_memory(params, f"outputs[{i}]")
+        refuse_shared_memory(params, f"outputs[{i}]")
         if "classification" in params:
             classes[out.name] = _class_count(params["classification"], f"outputs[{i}].parameters.classification")
         binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
@@ -301,11 +288,6 @@ def _class_count(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
         raise BadRequestError(f"{where} must be an integer from 1 to {MAX_TOP_K}")
     return value
-
-
-def _refuse_shared_memory(params: Mapping[str, Any], where: str) -> None:
-    if any(key.startswith("shared_memory") for key in params):
-        raise BadRequestError(f"{where}: the shared-memory extension is not supported")
 
 
 def _bool_param(params: Mapping[str, Any], key: str, default: bool, where: str) -> bool:

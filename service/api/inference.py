@@ -8,67 +8,57 @@ freed instead of computing an answer nobody will read.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 
+from service.dataplane import InFlight
 from service.errors import ServiceError
 
-from .deps import dataplane_of, metrics_of
+from .deps import dataplane_of
 
 if TYPE_CHECKING:
+    from service.dataplane import RequestTrace
     from service.registry.version import InferenceResult, ModelVersion
     from service.runtime.contract import InferenceRequest
 
-
-class InFlight:
-    """How many inference requests this server process is handling (``app.state.inflight``): from the
-    start of the handler, i.e. while the body is still arriving, to the end of the response."""
-
-    QUIET_S = 0.5
-    """How long the server must have served one request at a time before a request counts as alone."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.crowded_at = -math.inf  # when two or more were last in flight together
-
-    def enter(self) -> None:
-        self.count += 1
-        if self.count > 1:
-            self.crowded_at = time.monotonic()
-
-    def leave(self) -> None:
-        self.count -= 1
-
-    def alone(self) -> bool:
-        """Only this request is in flight, and none overlapped for QUIET_S. Under concurrent load a lone
-        moment is common, but running a request inline then would stall the loop that is reading the
-        others' bodies: measured on the CPU machine with 8 clients, throughput fell 18 % (ad hoc)."""
-        return self.count <= 1 and time.monotonic() - self.crowded_at >= self.QUIET_S
+__all__ = ["WATCH_AFTER_S", "InFlight", "Observed", "infer"]
 
 
 class Observed:
-    """``async with Observed(request, "predict") as obs:`` counts the request in flight and records its
-    outcome and latencies on exit."""
+    """``async with Observed(request, "predict") as obs:`` counts the request in flight (with gRPC's: the
+    dataplane's ``InFlight``) and records its outcome, latencies and statistics on exit (``RequestTrace``).
+    ``resolved(mv)`` once the request names a real model; ``infer`` runs it."""
 
     def __init__(self, request: Request, endpoint: str) -> None:
         self.request, self.endpoint = request, endpoint
-        self.model = ""  # set once the request is resolved to a real model (bounded label values)
-        self.result: InferenceResult | None = None
-        self.start = time.perf_counter()
-        self.inflight: InFlight = request.app.state.inflight
+        self.trace: RequestTrace | None = None
+
+    def resolved(self, mv: ModelVersion) -> None:
+        assert self.trace is not None
+        self.trace.resolved(mv)
+
+    @property
+    def result(self) -> InferenceResult:
+        assert self.trace is not None and self.trace.result is not None
+        return self.trace.result
+
+    async def infer(self, mv: ModelVersion, checked: InferenceRequest) -> InferenceResult:
+        trace = self.trace
+        assert trace is not None
+        trace.submitting(checked)
+        result = await infer(self.request, mv, checked)
+        trace.done(result)
+        return result
 
     async def __aenter__(self) -> Observed:
-        self.inflight.enter()
+        self.trace = dataplane_of(self.request).trace("rest", self.endpoint)
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.inflight.leave()
         if exc is None:
             outcome = "success"
         elif isinstance(exc, ServiceError):
@@ -77,15 +67,8 @@ class Observed:
             outcome = "disconnected"
         else:
             outcome = "internal_error"
-        result = self.result
-        metrics_of(self.request).observe_request(
-            self.model,
-            self.endpoint,
-            outcome,
-            time.perf_counter() - self.start,
-            None if result is None else result.queue_s,
-            None if result is None else result.compute_s,
-        )
+        assert self.trace is not None
+        self.trace.finish(outcome)
 
 
 async def _disconnected(request: Request) -> None:

@@ -4,7 +4,8 @@ The manager starts in a background task so the HTTP server accepts connections a
 from the first moment, readiness only after every stored model is loaded and warmed (a fresh store may first
 build and optimize the demo model). Readiness turns false the moment shutdown begins (the server calls
 ``begin_shutdown`` from its SIGTERM handler), before in-flight requests finish, so load balancers stop
-sending new work while the last answers go out.
+sending new work while the last answers go out. Another listener of the same process (the server's gRPC
+listener) hands its own drain to ``drain_before_stop``: the models stop only once it has finished too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 
@@ -31,6 +32,7 @@ class Lifecycle:
         self.serve_before_ready = serve_before_ready
         self.on_started = on_started
         self.start_task: asyncio.Task[None] | None = None
+        self.draining: list[Awaitable[None]] = []
 
     @property
     def ready(self) -> bool:
@@ -62,6 +64,10 @@ class Lifecycle:
             if self.on_started is not None:
                 self.on_started()
 
+    def drain_before_stop(self, drained: Awaitable[None]) -> None:
+        """Stop the models only after ``drained`` (another listener's in-flight calls) has finished."""
+        self.draining.append(drained)
+
     async def wait_started(self) -> None:
         """Wait for the manager's startup (tests, tools); raise if it failed."""
         if self.start_task is not None:
@@ -86,5 +92,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for drained in lifecycle.draining:
+            try:
+                await drained
+            except Exception:
+                log.exception("draining a listener failed")
+        lifecycle.draining.clear()
         await lifecycle.dataplane.manager.stop(app.state.settings.shutdown_grace_s)
         lifecycle.dataplane.images.close()

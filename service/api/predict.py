@@ -31,7 +31,7 @@ from .codecs import NPY_MEDIA_TYPE, arrays_from_nested, decode_npy, dumps, encod
 from .codecs import outputs_payload as jsonable_outputs
 from .deps import dataplane_of, settings_of
 from .images import decode_base64, image_form_parts, is_image_media
-from .inference import Observed, infer
+from .inference import Observed
 from .schemas import ErrorBody, PredictImagesRequest, PredictRequest, PredictResponse, json_body
 
 router = APIRouter(tags=["inference"])
@@ -101,8 +101,8 @@ async def predict(
             req = validate(PredictRequest, doc, "predict request")
             mv = dataplane.model_for_infer(req.model or model, req.version or version)
             inputs = arrays_from_nested(req.inputs, mv.signature)
-        obs.model = mv.name
-        obs.result = await infer(request, mv, mv.signature.request(inputs))
+        obs.resolved(mv)
+        await obs.infer(mv, mv.signature.request(inputs))
         if NPY_MEDIA_TYPE in request.headers.get("accept", "") and len(obs.result.outputs) == 1:
             (array,) = obs.result.outputs.values()
             return Response(encode_npy(array), media_type=NPY_MEDIA_TYPE)
@@ -113,9 +113,9 @@ async def predict(
 async def _predict_images(
     request: Request, obs: Observed, mv: ModelVersion, images: list[bytes], raw: bool
 ) -> Response:
-    obs.model = mv.name
+    obs.resolved(mv)
     checked = await dataplane_of(request).image_request(mv, images)
-    obs.result = await infer(request, mv, checked)
+    await obs.infer(mv, checked)
     return Response(dumps(predict_answer(mv, obs.result.outputs, raw)), media_type="application/json")
 
 

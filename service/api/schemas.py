@@ -145,7 +145,29 @@ class ServerMetadata(BaseModel):
     extensions: list[str]
 
 
-BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, PredictImagesRequest, InferRequest)
+# ---------------------------------------------------------------- repository extension
+class RepositoryIndexRequest(BaseModel):
+    """``POST /v2/repository/index`` body (optional)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    repository_name: str | None = Field(None, max_length=MAX_NAME_LEN, description="Ignored: one repository.")
+    ready: bool = Field(False, description="Only the versions that are ready to serve.")
+
+
+class RepositoryModelRequest(BaseModel):
+    """``POST /v2/repository/models/{name}/load|unload`` body (optional)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    parameters: dict[str, Any] | None = Field(
+        None, max_length=MAX_TENSORS, description="Triton's load parameters; 'config' and 'file:' overrides are "
+        "refused (upload a new version instead); unload_dependents is accepted and has nothing to act on.",
+    )
+
+
+BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, PredictImagesRequest, InferRequest, RepositoryIndexRequest,
+                                             RepositoryModelRequest)
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

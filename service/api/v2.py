@@ -20,7 +20,7 @@ from service.image_requests import classification, image_input_name
 from .bodies import MIB, read_body
 from .codecs import decode_v2_request, encode_v2_response, json_response
 from .deps import dataplane_of, settings_of
-from .inference import Observed, infer
+from .inference import Observed
 from .schemas import ErrorBody, InferRequest, InferResponse, ModelMetadata, ServerMetadata, json_body
 
 router = APIRouter(tags=["kserve-v2"])
@@ -102,13 +102,13 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
         body = await read_body(request, settings_of(request).max_request_mb * MIB)
         dataplane = dataplane_of(request)
         mv = dataplane.model_for_infer(name, version)
-        obs.model = mv.name
+        obs.resolved(mv)
         decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature, image_input_name(mv))
         checked = decoded.request
         if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
             assert decoded.images is not None
             checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
-        obs.result = await infer(request, mv, checked)
+        await obs.infer(mv, checked)
         outputs = obs.result.outputs
         if decoded.classification:
             outputs = {out: classification(mv, out, scores, decoded.classification[out])

@@ -9,7 +9,9 @@ a time per version: replicas starting together optimize it once), and reusing th
 this device. Metadata changes are read-modify-writes under the store's lock, and only when something
 changed, so processes sharing the store never undo each other's records. Nothing here
 blocks the event loop: optimizing runs in a child process, loading and disk I/O in threads, inference on
-each batcher's engine threads. This package knows nothing about HTTP; it raises ``service.errors`` classes.
+each batcher's engine threads. A model unloaded through the repository extension (``registry.repository``)
+keeps its versions in the table as UNLOADED, without engines, until it is loaded again; a restart keeps it
+so. This package knows no protocol; it raises ``service.errors`` classes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from service.registry.metadata import (
     stored_record,
     tensor_records,
 )
+from service.registry.repository import is_unloaded
 from service.registry.sandbox import ImageArgs, OptimizeOutcome, OptimizerRunner
 from service.registry.store import ORIGINAL, ModelStore, cache_key, sha256_file
 from service.registry.sync import StoreFollower
@@ -150,11 +153,12 @@ class ModelManager:
             await self._prepare()
         stored = await asyncio.to_thread(self.store.list_models)
         for name, numbers in stored.items():
+            unloaded = await asyncio.to_thread(is_unloaded, self.store, name)
             for number in numbers:
                 if self.stopping:
                     return
                 if not self.table.has(name, number):
-                    await self.load_stored(name, number)
+                    await (self.register_unloaded(name, number) if unloaded else self.load_stored(name, number))
         self._started = True
         self.report_loaded()
         if self._follower is not None:
@@ -218,6 +222,8 @@ class ModelManager:
         try:
             validate_model_name(name)
             self.check_accepting()
+            if await asyncio.to_thread(is_unloaded, self.store, name):
+                raise ConflictError(f"model {quoted(name)} is unloaded: load it first (repository extension)")
             effective = config.effective(self.settings)
             out_dir = await asyncio.to_thread(self.store.new_staging_dir)
             outcome = await self._optimize(staged, out_dir, effective, f"the upload of {name}")
@@ -258,13 +264,17 @@ class ModelManager:
             await self.unload(mv)
             await asyncio.to_thread(self.store.delete_version, name, version)
 
-    async def unload(self, mv: ModelVersion) -> None:
-        """Stop routing to the version, let its in-flight requests finish, close it, forget it."""
+    async def unload(self, mv: ModelVersion, *, keep_entry: bool = False) -> None:
+        """Stop routing to the version, let its in-flight requests finish, close it, forget it (``keep_entry``:
+        it stays in the table as UNLOADED, its files in the store: see ``registry.repository``)."""
         mv.state = ModelState.UNLOADING
         try:
             await mv.shutdown(timeout_s=mv.config.timeout_s + 1.0)
         finally:
-            self.table.remove(mv)
+            if keep_entry:
+                mv.state = ModelState.UNLOADED
+            else:
+                self.table.remove(mv)
             self.report_loaded()
             if self.metrics is not None:
                 self.metrics.forget_version(mv.name, mv.version)
@@ -316,6 +326,18 @@ class ModelManager:
                           metrics=self.metrics)
         self.table.add(mv)
         return mv
+
+    async def register_unloaded(self, name: str, version: int) -> None:
+        """Put a stored version of an unloaded model in the table as UNLOADED, without an engine."""
+        try:
+            metadata = VersionMetadata.parse(await asyncio.to_thread(self.store.read_metadata, name, version))
+            mv = self._register(name, version, metadata, metadata.config.effective(self.settings))
+        except Exception as exc:
+            log.exception("model %s version %d: unreadable metadata", name, version)
+            mv = self._register(name, version, None, ModelConfig().effective(self.settings))
+            mv.fail(exc)
+            return
+        mv.state = ModelState.UNLOADED
 
     async def load_stored(self, name: str, version: int) -> None:
         """Load one stored version (migrating its metadata); a failure marks it FAILED and is logged."""

@@ -1,6 +1,9 @@
 """Following a store that other processes change: the versions they add are loaded here, the ones they delete
 are unloaded (several workers on one store; replicas on a shared volume).
 
+A model another process unloaded (its ``.unloaded`` marker, ``registry.repository``) is unloaded here too and
+never loaded while the marker stays; once it is loaded again elsewhere (marker gone), it is loaded here.
+
 A version another process published is loaded here once its loader recorded the engine choice (so this load
 reuses the tuner's pick instead of timing again), or after ``SETTLE_S`` (its loader may have died mid-load).
 """
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
 from service.registry.metadata import age_s
+from service.registry.repository import is_unloaded
 from service.registry.version import ModelState
 
 if TYPE_CHECKING:
@@ -48,23 +52,40 @@ class StoreFollower:
                 log.exception("syncing with the model store failed")
 
     async def sync(self) -> None:
-        """Load the versions others added to the store, unload the ones they deleted."""
+        """Load the versions others added to the store, unload the ones they deleted, follow (un)loads."""
         manager = self._manager
         async with manager.store_lock:
             stored = await asyncio.to_thread(manager.store.list_models)
             for name, numbers in stored.items():
+                unloaded = await asyncio.to_thread(is_unloaded, manager.store, name)
                 for number in numbers:
                     if manager.stopping:
                         return
-                    if not manager.table.has(name, number) and await asyncio.to_thread(self._settled, name, number):
-                        log.info("%s v%d was added by another process: loading it", name, number)
-                        await manager.load_stored(name, number)
+                    await self._follow_version(name, number, unloaded)
             for mv in list(manager.table):
                 gone = mv.version not in stored.get(mv.name, ())
-                if gone and mv.state in (ModelState.READY, ModelState.FAILED):
+                if gone and mv.state in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADED):
                     log.info("%s v%d was deleted by another process: unloading it", mv.name, mv.version)
                     await manager.unload(mv)
             manager.report_loaded()
+
+    async def _follow_version(self, name: str, number: int, unloaded: bool) -> None:
+        manager = self._manager
+        mv = manager.table.find(name, number) if manager.table.has(name, number) else None
+        if unloaded:
+            if mv is None:
+                await manager.register_unloaded(name, number)
+            elif mv.state in (ModelState.READY, ModelState.FAILED):
+                log.info("%s v%d was unloaded by another process: unloading it", name, number)
+                await manager.unload(mv, keep_entry=True)
+            return
+        if mv is not None and mv.state is ModelState.UNLOADED:
+            log.info("%s v%d was loaded again by another process: loading it", name, number)
+            manager.table.remove(mv)
+            await manager.load_stored(name, number)
+        elif mv is None and await asyncio.to_thread(self._settled, name, number):
+            log.info("%s v%d was added by another process: loading it", name, number)
+            await manager.load_stored(name, number)
 
     def _settled(self, name: str, version: int) -> bool:
         """Its loader recorded the engine choice, or it is old (runs in a thread)."""

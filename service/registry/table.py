@@ -70,8 +70,11 @@ class ModelTable:
     def get(self, name: str, version: int | None = None) -> ModelVersion:
         """The version that serves a request: READY, the newest one without a number."""
         if version is None:
-            ready = [mv for mv in self.versions(name) if mv.state is ModelState.READY]
+            versions = self.versions(name)
+            ready = [mv for mv in versions if mv.state is ModelState.READY]
             if not ready:
+                if all(mv.state is ModelState.UNLOADED for mv in versions):
+                    raise ModelNotReadyError(f"model {quoted(name)} is unloaded: load it first (repository extension)")
                 raise ModelNotReadyError(f"model {quoted(name)} has no version ready to serve")
             return ready[-1]
         mv = self.find(name, version)

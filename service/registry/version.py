@@ -1,10 +1,12 @@
 """One version of one model: its metadata, configuration, signature, engine and batcher, and its state.
 
 States: LOADING (being optimized or loaded), READY (serving), FAILED (could not be loaded; ``error`` says
-why; the other versions still serve), UNLOADING (being deleted: no new requests, in-flight ones finish).
-Only a READY version takes requests; ``activate`` makes it READY once its engine served a warm-up request
-through the whole path, ``shutdown`` lets queued and in-flight requests finish and closes the engine on its
-own thread.
+why; the other versions still serve), UNLOADING (being deleted or unloaded: no new requests, in-flight
+ones finish), UNLOADED (its files are in the store but it was unloaded through the repository extension:
+no engine until it is loaded again; see ``registry.repository``). Only a READY version takes requests;
+``activate`` makes it READY once its engine served a warm-up request through the whole path, ``shutdown``
+lets queued and in-flight requests finish and closes the engine on its own thread. ``statistics`` counts
+what the version served (``registry.statistics``) from READY on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from service.errors import EngineError, ModelNotReadyError, RequestTimeoutError, ServiceError
 from service.model_config import EffectiveConfig
 from service.registry.metadata import VersionMetadata
+from service.registry.statistics import VersionStatistics
 from service.runtime.batcher import Batcher, BatchPolicy
 from service.runtime.contract import Engine, InferenceRequest, Signature
 
@@ -28,6 +31,7 @@ class ModelState(enum.StrEnum):
     READY = "READY"
     FAILED = "FAILED"
     UNLOADING = "UNLOADING"
+    UNLOADED = "UNLOADED"
 
 
 class MetricsSink(Protocol):
@@ -46,12 +50,14 @@ class InferenceResult:
 
 
 class _Reporter:
-    """The batcher's observer for one version: its metric series."""
+    """The batcher's observer for one version: its metric series and its statistics."""
 
-    def __init__(self, metrics: MetricsSink | None, name: str, version: int) -> None:
+    def __init__(self, metrics: MetricsSink | None, name: str, version: int, statistics: VersionStatistics) -> None:
         self._metrics, self._name, self._version = metrics, name, version
+        self._statistics = statistics
 
     def on_batch(self, samples: int, _queue_s: float, compute_s: float) -> None:
+        self._statistics.record_batch(samples, compute_s)
         if self._metrics is not None:
             self._metrics.observe_batch(self._name, self._version, samples, compute_s)
 
@@ -80,7 +86,8 @@ class ModelVersion:
         self.metadata = metadata
         self.config = config
         self._max_input_bytes = max_input_bytes
-        self._reporter = _Reporter(metrics, name, version)
+        self.statistics = VersionStatistics()
+        self._reporter = _Reporter(metrics, name, version, self.statistics)
         stored = metadata.signature if metadata is not None else Signature((), ())
         self.signature = stored.limited(max_batch=config.queue_size, max_bytes=max_input_bytes)
         self.max_batch_size = config.max_batch_size
@@ -151,6 +158,7 @@ class ModelVersion:
                     f"the warm-up run of {self.name!r} version {self.version} did not finish within "
                     f"{self.config.timeout_s:g} s; the engine may be stuck (the server log says where)"
                 ) from None
+        self.statistics.reset()  # the warm-up is not a client's inference
         self.state = ModelState.READY
 
     def _warmup_request(self) -> InferenceRequest | None:

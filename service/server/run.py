@@ -1,15 +1,22 @@
-"""Run the app on uvicorn until a signal stops it; returns the exit code.
+"""Run the app on uvicorn, and the KServe V2 gRPC service beside it, until a signal stops them; returns the
+exit code.
 
-SIGTERM/SIGINT: readiness turns false at once (``Lifecycle.begin_shutdown`` in the signal handler), the
-listening socket closes, in-flight requests get up to ``shutdown_grace_s`` to finish, then the model manager
-stops. A clean, signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT``
-goes to stdout with the real port, so ``--port 0`` works for tests and scripts; a "ready" line goes to the
-log once every model is served. With ``workers`` > 1 the supervisor (``server.supervisor``) binds the port
-and runs one such server per worker process.
+Both listeners share one event loop (uvicorn's) and one dataplane: the gRPC server (``service.grpc``) starts
+once the HTTP listener is up, on ``grpc_port`` of the same host (``grpc_port`` None: no gRPC), and a port that
+cannot be bound stops the server with status 1. SIGTERM/SIGINT: readiness turns false at once
+(``Lifecycle.begin_shutdown`` in the signal handler), both listeners stop accepting, in-flight requests and
+calls get up to ``shutdown_grace_s`` to finish (at the same time), then the model manager stops. A clean,
+signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT`` (``https`` with
+TLS), then ``listening on grpc://HOST:PORT``, go to stdout with the real ports, so ``--port 0`` and
+``SERVICE_GRPC_PORT=0`` work for tests and scripts; a "ready" line goes to the log once every model is
+served. With ``workers`` > 1 the supervisor (``server.supervisor``) reserves both ports and runs one such
+server per worker process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from types import FrameType
 from typing import Any
@@ -18,19 +25,26 @@ import uvicorn
 
 from service.api.app import create_app
 from service.api.lifecycle import Lifecycle
+from service.grpc.server import GrpcBindError, GrpcServer
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
 from service.server.process import configure_process
 from service.server.transport import GatheredWritesProtocol
 from service.settings import ServiceSettings
 
+log = logging.getLogger("service.server")
+
 KEEP_ALIVE_S = 5
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, *, announce: bool = True) -> None:
+    def __init__(
+        self, config: uvicorn.Config, lifecycle: Lifecycle, *, announce: bool = True, grpc: GrpcServer | None = None
+    ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
         self.announce = announce
+        self.grpc = grpc
+        self.failed = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.lifecycle.begin_shutdown()
@@ -41,7 +55,24 @@ class _Server(uvicorn.Server):
         if self.announce and self.started and getattr(self, "servers", None):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
-            print(f"listening on http://{shown}:{port}", flush=True)
+            scheme = "https" if self.config.ssl_certfile else "http"
+            print(f"listening on {scheme}://{shown}:{port}", flush=True)
+        if self.started and self.grpc is not None:
+            try:
+                await self.grpc.start()
+            except GrpcBindError as exc:
+                log.error("%s", exc)
+                self.failed = self.should_exit = True
+                return
+            if self.announce:
+                print(f"listening on {self.grpc.url}{' (TLS)' if self.grpc.tls else ''}", flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """gRPC stops accepting and drains while HTTP does; the models stop after both (``Lifecycle``)."""
+        if self.grpc is not None:
+            grace = self.config.timeout_graceful_shutdown or 0.0
+            self.lifecycle.drain_before_stop(asyncio.ensure_future(self.grpc.stop(grace)))
+        await super().shutdown(sockets=sockets)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         with self.capture_signals():
@@ -66,6 +97,8 @@ def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
         timeout_keep_alive=KEEP_ALIVE_S,
         server_header=False,
         proxy_headers=False,
+        ssl_certfile=settings.tls_cert_file,
+        ssl_keyfile=settings.tls_key_file,
     )
 
 
@@ -82,11 +115,14 @@ def run_server(
     sockets: list[socket.socket] | None = None,
     announce: bool = True,
     balancer: ConnectionBalancer | None = None,
+    grpc_reuse_port: bool = False,
 ) -> int:
-    """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port).
-    ``balancer``: this worker's share of the kept-alive connections (several workers on one port)."""
+    """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port), with
+    gRPC on ``settings.grpc_port`` unless it is None (``grpc_reuse_port``: a worker sharing the supervisor's
+    reserved port). ``balancer``: this worker's share of the kept-alive HTTP connections."""
     served = app if balancer is None else BalanceMiddleware(app, balancer)
-    server = _Server(uvicorn_config(settings, served), app.state.lifecycle, announce=announce)
+    grpc = None if settings.grpc_port is None else GrpcServer(settings, app.state.dataplane, reuse_port=grpc_reuse_port)
+    server = _Server(uvicorn_config(settings, served), app.state.lifecycle, announce=announce, grpc=grpc)
     if balancer is not None:
         balancer.on_close = app.state.metrics.rebalanced.inc
         balancer.bind(lambda: len(server.server_state.connections))
@@ -97,4 +133,4 @@ def run_server(
     finally:
         if balancer is not None:
             balancer.forget()
-    return 0 if server.started else 1
+    return 0 if server.started and not server.failed else 1

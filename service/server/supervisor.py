@@ -14,6 +14,10 @@ How:
   listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up
   to 100 per wake-up), an ad hoc check gave 13/10/8/1, and on the H200 4 workers served no more than 1
   (bench/results/service-2026-11-30-cuda.json; that this was the cause is likely, not verified there).
+* gRPC (``grpc_port`` not None) works the same way: the supervisor reserves that port too (plain bind
+  first, so a port another server listens on fails the start) and prints ``listening on grpc://...``;
+  every worker's gRPC server listens on it with SO_REUSEPORT, so gRPC connections (each a long-lived
+  HTTP/2 connection carrying many calls) are spread over the workers by the kernel.
 * Worker 0 starts first, alone. It prepares the store (the demo model, the import folder), optimizes stale
   versions again, and records each version's engine choice, so the tuner runs once. The other workers start
   once worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
@@ -71,16 +75,31 @@ def serve_workers(settings: ServiceSettings) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1
+    grpc_sock = None
+    if settings.grpc_port is not None:
+        try:
+            grpc_sock = reserve_port(settings.host, settings.grpc_port)
+        except OSError as exc:
+            log.error("cannot listen for gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            sock.close()
+            return 1
+        settings = settings.model_copy(update={"grpc_port": int(grpc_sock.getsockname()[1])})
     metrics_dir = Path(tempfile.mkdtemp(prefix="service-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers
     engine_dir = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
     try:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"listening on http://{shown}:{port} ({settings.workers} workers, one engine process)", flush=True)
+        scheme = "https" if settings.tls_cert_file is not None else "http"
+        print(f"listening on {scheme}://{shown}:{port} ({settings.workers} workers, one engine process)", flush=True)
+        if grpc_sock is not None:
+            tls = " (TLS)" if settings.tls_cert_file is not None else ""
+            print(f"listening on grpc://{shown}:{settings.grpc_port}{tls}", flush=True)
         return Supervisor(settings, sock, engine_host_address(engine_dir)).run()
     finally:
         sock.close()
+        if grpc_sock is not None:
+            grpc_sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(engine_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -363,4 +382,4 @@ def _worker_main(
     _stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)
     balancer = ConnectionBalancer(connection_counts, index)
-    sys.exit(run_server(settings, app, sockets=[sock], announce=False, balancer=balancer))
+    sys.exit(run_server(settings, app, sockets=[sock], announce=False, balancer=balancer, grpc_reuse_port=True))

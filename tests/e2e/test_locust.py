@@ -1,7 +1,8 @@
 """A short headless locust run (loadtests/locustfile.py) against a real ``python -m service serve``.
 
 Fails on any request failure (non-2xx or a wrong output shape, as the locustfile checks them) and when
-any of the three kinds of traffic (JSON /predict, KServe binary infer, management) did not run.
+any of the four kinds of traffic (JSON /predict, KServe binary infer, KServe over gRPC, management) did not
+run.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A real server with the demo model on a free loopback port; yields (url, admin token)."""
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """A real server with the demo model on free loopback ports; yields (url, admin token, gRPC target)."""
     tmp = tmp_path_factory.mktemp("locust-server")
     token = secrets.token_hex(16)
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
     env.update(
         SERVICE_ADMIN_TOKEN=token,
@@ -49,6 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
         SERVICE_BUCKETS="[1,2,4,8]",
         SERVICE_MAX_BATCH_SIZE="8",
         SERVICE_LOG_LEVEL="warning",
+        SERVICE_GRPC_PORT=str(grpc_port),
         PYTHONPATH=str(ROOT),
     )
     log = tmp / "server.log"
@@ -68,7 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
             if time.monotonic() > deadline:
                 pytest.fail(f"server not ready in {READY_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.25)
-        yield url, token
+        yield url, token, f"127.0.0.1:{grpc_port}"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -83,10 +85,11 @@ def _stats(prefix: Path) -> dict[str, dict[str, str]]:
         return {row["Name"]: row for row in csv.DictReader(fh)}
 
 
-def test_locust_headless_run_has_no_failures(server: tuple[str, str], tmp_path: Path) -> None:
-    url, token = server
+def test_locust_headless_run_has_no_failures(server: tuple[str, str, str], tmp_path: Path) -> None:
+    url, token, grpc_target = server
     prefix = tmp_path / "locust"
-    env = {**os.environ, "LOADTEST_ADMIN_TOKEN": token, "LOADTEST_MODEL": "mobilenet_v3_large"}
+    env = {**os.environ, "LOADTEST_ADMIN_TOKEN": token, "LOADTEST_MODEL": "mobilenet_v3_large",
+           "LOADTEST_GRPC_TARGET": grpc_target}
     command = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "-u", "6", "-r", "6", "-t", f"{RUN_TIME_S}s", "--stop-timeout", "5",
@@ -99,7 +102,7 @@ def test_locust_headless_run_has_no_failures(server: tuple[str, str], tmp_path: 
     stats = _stats(prefix)
     total = stats["Aggregated"]
     assert int(total["Failure Count"]) == 0, output
-    for name in ("/predict", "/v2/models/[model]/infer (binary)", "/v1/models", "/v2/models/[model]"):
+    for name in ("/predict", "/v2/models/[model]/infer (binary)", "/v1/models", "/v2/models/[model]", "ModelInfer"):
         assert name in stats, f"no {name} requests ran:\n{output}"
         assert int(stats[name]["Request Count"]) > 0
         assert int(stats[name]["Failure Count"]) == 0, f"{name} failed:\n{output}"

@@ -2,7 +2,9 @@
 
 Shared by the e2e, security and reliability tests (import after putting ``tests/helpers`` on
 ``sys.path``, as their ``conftest.py`` does). The URL comes from the server's ``listening on`` line, so
-``--port 0`` picks a free port without races.
+``--port 0`` picks a free port without races; gRPC listens on a free port too (``SERVICE_GRPC_PORT=0``
+unless ``env`` says otherwise) and ``grpc_target`` is its ``host:port`` from the ``listening on grpc://``
+line (None with gRPC off).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -24,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "e2e-admin-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 OCTET = "application/octet-stream"
-LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+))")
+LISTENING = re.compile(r"listening on (https?://[0-9.]+:(\d+))")
+LISTENING_GRPC = re.compile(r"listening on grpc://([0-9.]+:\d+)")
 GRACE_S = 5.0
 
 
@@ -38,9 +42,11 @@ class Server:
         demo: bool = False,
         ready_timeout: float = 60.0,
         env: dict[str, str] | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.logs = logs
         self.model_dir = model_dir
+        self.verify = verify  # httpx's: a context trusting a TLS server's certificate
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
         full_env.update(
             SERVICE_ADMIN_TOKEN=TOKEN,
@@ -48,6 +54,7 @@ class Server:
             SERVICE_DEVICE="cpu",
             SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
             SERVICE_LOG_LEVEL="info",
+            SERVICE_GRPC_PORT="0",
             PYTHONPATH=str(ROOT),
         )
         full_env.update(env or {})
@@ -65,6 +72,8 @@ class Server:
             )
         self.url = self._wait_listening(timeout=30.0)
         self.port = int(self.url.rsplit(":", 1)[1])
+        grpc_off = full_env["SERVICE_GRPC_PORT"].strip().lower() in ("off", "none", "false", "")
+        self.grpc_target = None if grpc_off else self._wait_line(LISTENING_GRPC, 30.0, "its gRPC address")
         self.started = time.monotonic()
         self._wait_ready(ready_timeout)
         self.ready_after_s = time.monotonic() - self.started
@@ -81,22 +90,25 @@ class Server:
         pytest.fail(f"{why}; server stderr:\n{self.stderr()[-3000:]}")
 
     def _wait_listening(self, timeout: float) -> str:
+        return self._wait_line(LISTENING, timeout, "its URL")
+
+    def _wait_line(self, pattern: re.Pattern[str], timeout: float, what: str) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = LISTENING.search(self.stdout_path.read_text(errors="replace"))
+            match = pattern.search(self.stdout_path.read_text(errors="replace"))
             if match:
                 return match.group(1)
             if self.proc.poll() is not None:
-                self._fail(f"server exited with {self.proc.returncode} before listening")
+                self._fail(f"server exited with {self.proc.returncode} before printing {what}")
             time.sleep(0.05)
-        self._fail("server did not print its URL")
+        self._fail(f"server did not print {what}")
         raise AssertionError  # unreachable
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{self.url}/v2/health/ready", timeout=2)
+                r = httpx.get(f"{self.url}/v2/health/ready", timeout=2, verify=self.verify)
                 if r.status_code == 200:
                     return
                 assert r.status_code == 503  # not ready yet, but alive and answering

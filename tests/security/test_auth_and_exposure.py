@@ -28,6 +28,11 @@ from service.registry.sandbox import _read_result, client_message
 pytestmark = pytest.mark.anyio
 
 INFERENCE = {"/predict", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
+READ_ONLY_POSTS = {"/v2/repository/index"}
+"""A POST that changes nothing (Triton's protocol chose the method): public, like the other reads."""
+REFUSED = {"/v2/trace/setting", "/v2/models/{name}/trace/setting", "/v2/logging", "/v2/systemsharedmemory/{rest:path}",
+           "/v2/cudasharedmemory/{rest:path}"}
+"""Extensions this server does not implement: every method answers 400 "not supported", token or not."""
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 TINY = builders.tiny_cnn(seed=3)
 
@@ -58,7 +63,7 @@ async def _management_routes(client: httpx.AsyncClient) -> list[tuple[str, str]]
     table += [(path, {m.upper() for m in ops}) for path, ops in documented.items()]
     routes = set()
     for path, methods in table:
-        if path not in INFERENCE:
+        if path not in INFERENCE | READ_ONLY_POSTS | REFUSED:
             for method in methods & WRITES:
                 routes.add((method, path.replace("{name}", "tiny").replace("{version}", "1")))
     return sorted(routes)
@@ -80,6 +85,7 @@ BAD_CREDENTIALS = [
 async def test_every_state_changing_route_wants_the_token(app: httpx.AsyncClient) -> None:
     routes = await _management_routes(app)
     assert ("POST", "/v1/models/tiny") in routes and ("DELETE", "/v1/models/tiny/versions/1") in routes
+    assert {("POST", "/v2/repository/models/tiny/unload"), ("POST", "/v2/repository/models/tiny/load")} <= set(routes)
     for method, url in routes:
         for headers in BAD_CREDENTIALS:
             r = await app.request(method, url, content=TINY, headers={**headers, "content-type": OCTET})
@@ -89,6 +95,16 @@ async def test_every_state_changing_route_wants_the_token(app: httpx.AsyncClient
     # nothing happened: version 1 is still the only one, and it serves
     listing = (await app.get("/v1/models")).json()["models"]
     assert listing == [{"name": "tiny", "versions": [{"version": 1, "state": "READY", "error": None}]}]
+
+
+async def test_the_public_posts_change_nothing(app: httpx.AsyncClient) -> None:
+    r = await app.post("/v2/repository/index")
+    assert r.status_code == 200 and [m["state"] for m in r.json()] == ["READY"]
+    for path in sorted(REFUSED):
+        url = path.replace("{name}", "tiny").replace("{rest:path}", "region/r/register")
+        for method in ("GET", "POST"):
+            r = await app.request(method, url, content=b"{}", headers=AUTH)
+            assert "is not supported by this server" in assert_clean_error(r, statuses={400})
 
 
 async def test_without_a_configured_token_management_is_off(tmp_path: Path) -> None:
@@ -103,8 +119,6 @@ async def test_the_request_path_compares_in_constant_time(
 ) -> None:
     import hmac
 
-    from service.api import auth
-
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
@@ -112,7 +126,7 @@ async def test_the_request_path_compares_in_constant_time(
         seen.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # the check is dataplane.check_bearer, behind auth
     wrong = "Bearer wrong-token-0123456789abc"
     r = await app.delete("/v1/models/tiny/versions/9", headers={"Authorization": wrong})
     assert r.status_code == 401

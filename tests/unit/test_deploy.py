@@ -96,7 +96,8 @@ def test_runtime_stage_runs_as_non_root_with_volume_port_and_signal(
     assert users, "the runtime stage sets no USER"
     assert users[-1].split(":")[0] not in ("root", "0"), users[-1]
     assert any(w == "VOLUME" and "/models" in a for w, a in final)
-    assert ("EXPOSE", "8000") in final
+    exposed = {port for w, a in final if w == "EXPOSE" for port in a.split()}
+    assert exposed == {"8000", "8001"}  # REST and KServe V2 gRPC
     assert ("STOPSIGNAL", "SIGTERM") in final
     entry = json.loads(next(a for w, a in final if w == "ENTRYPOINT"))  # exec form: JSON array
     assert entry == ["/usr/local/bin/entrypoint.sh"]
@@ -108,6 +109,7 @@ def test_runtime_env_parses_into_the_settings(instructions: list[tuple[str, str]
     settings = _settings_from_env(env)
     assert settings.host == "0.0.0.0"
     assert settings.port == 8000
+    assert settings.grpc_port == 8001
     assert settings.model_dir == Path("/models")
 
 

@@ -100,3 +100,25 @@ def test_dynamic_non_batch_dims_need_an_explicit_shape(lf) -> None:
     with pytest.raises(ValueError, match="LOADTEST_SHAPE"):
         lf.concrete_shape(tensor, 1)
     assert lf.concrete_shape(tensor, 4, "3,64,64") == (4, 3, 64, 64)
+
+
+def test_grpc_request_and_response_check(lf) -> None:
+    """The prebuilt gRPC request carries the raw tensor; the check accepts a right answer only."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    info = lf.parse_metadata(METADATA)
+    arrays = lf.make_inputs(info, batch=2, seed=5)
+    request = lf.grpc_infer_request(info, arrays)
+    assert [(t.name, t.datatype, list(t.shape)) for t in request.inputs] == [("input", "FP32", [2, 3, 4, 4])]
+    assert request.raw_input_contents[0] == arrays["input"].astype("<f4").tobytes()
+    response = pb.ModelInferResponse(model_name="tiny")
+    response.outputs.add(name="output", datatype="FP32", shape=[2, 10])
+    response.raw_output_contents.append(np.zeros((2, 10), np.float32).tobytes())
+    assert lf.check_grpc_response(info, response, 2) is None
+    assert "shape" in lf.check_grpc_response(info, response, 3)
+    response.raw_output_contents[0] = b"\0" * 8
+    assert "raw_output_contents" in lf.check_grpc_response(info, response, 2)
+    metadata = pb.ModelMetadataResponse(name="tiny")
+    metadata.inputs.add(name="input", datatype="FP32", shape=[-1, 3, 4, 4])
+    metadata.outputs.add(name="output", datatype="FP32", shape=[-1, 10])
+    assert lf.parse_metadata(lf.grpc_metadata(metadata)) == info

@@ -61,7 +61,7 @@ def test_comparison_is_constant_time_on_bytes(monkeypatch: pytest.MonkeyPatch) -
         seen.append((a, b))
         return original(a, b)
 
-    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
     auth.check_bearer(SecretStr(TOKEN), f"Bearer {TOKEN}")
     with pytest.raises(UnauthorizedError):
         auth.check_bearer(SecretStr(TOKEN), "Bearer nope")

@@ -34,11 +34,12 @@ def test_sink_calls_and_requests() -> None:
     assert s[("service_batch_size_count", (("model", "net"),))] == 2
     assert s[("service_batch_size_sum", (("model", "net"),))] == 10
     assert s[("service_queue_depth", (("model", "net"), ("version", "1")))] == 5
-    ok = (("endpoint", "predict"), ("model", "net"), ("outcome", "success"))
-    full = (("endpoint", "predict"), ("model", "net"), ("outcome", "queue_full"))
+    ok = (("endpoint", "predict"), ("model", "net"), ("outcome", "success"), ("protocol", "rest"))
+    full = (("endpoint", "predict"), ("model", "net"), ("outcome", "queue_full"), ("protocol", "rest"))
     assert s[("service_requests_total", ok)] == 1 and s[("service_requests_total", full)] == 1
     # failed requests count, but do not pollute the latency histograms
-    assert s[("service_request_duration_seconds_count", (("endpoint", "predict"), ("model", "net")))] == 1
+    assert s[("service_request_duration_seconds_count",
+              (("endpoint", "predict"), ("model", "net"), ("protocol", "rest")))] == 1
     assert s[("service_queue_duration_seconds_count", (("model", "net"),))] == 1
 
 

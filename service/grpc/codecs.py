@@ -1,0 +1,177 @@
+"""KServe V2 gRPC messages <-> numpy arrays and the dataplane's dicts.
+
+Inputs are checked as the REST V2 decoder checks them (``service.api.codecs``), with the same rules from
+``service.dataplane`` and the same messages: each tensor's name, datatype and declared shape pass
+``Signature.check_tensor`` BEFORE its data is read, and the data must hold exactly what the shape declares
+(``raw_input_contents`` of the wrong size, or typed ``contents`` with the wrong count, are refused), so memory
+stays bounded by the (size-limited) message. ``raw_input_contents`` must then be used for every input or
+for none. Outputs always travel as ``raw_output_contents`` (little-endian), as Triton sends them and
+``tritonclient.grpc`` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from service.dataplane import refuse_classification, refuse_shared_memory, requested_output, v2_dtype
+from service.errors import BadRequestError, InvalidInputError, printable
+from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
+
+from .messages import config_pb, pb
+
+MAX_NAME_LEN = 256
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+# The typed ``InferTensorContents`` field of each datatype, and the wider type protobuf keeps it in.
+_CONTENTS: dict[str, tuple[str, np.dtype]] = {
+    "BOOL": ("bool_contents", np.dtype(np.bool_)),
+    "INT8": ("int_contents", np.dtype(np.int32)),
+    "INT16": ("int_contents", np.dtype(np.int32)),
+    "INT32": ("int_contents", np.dtype(np.int32)),
+    "INT64": ("int64_contents", np.dtype(np.int64)),
+    "UINT8": ("uint_contents", np.dtype(np.uint32)),
+    "UINT16": ("uint_contents", np.dtype(np.uint32)),
+    "UINT32": ("uint_contents", np.dtype(np.uint32)),
+    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
+    "FP32": ("fp32_contents", np.dtype(np.float32)),
+    "FP64": ("fp64_contents", np.dtype(np.float64)),
+}
+
+
+# ------------------------------------------------------------------ inference
+def decode_infer(message: Any, signature: Signature) -> InferenceRequest:
+    """A ``ModelInferRequest`` checked against ``signature`` (400s that name the offending tensor)."""
+    tensors = message.inputs
+    if not tensors:
+        raise InvalidInputError("the request has no inputs")
+    if len(tensors) > len(signature.inputs):
+        raise InvalidInputError(f"{len(tensors)} inputs given; the model takes {len(signature.inputs)}")
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(tensors):
+        raise BadRequestError(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs: send every "
+                              "input raw, or none")
+    arrays: dict[str, np.ndarray] = {}
+    batches: dict[str, int] = {}
+    for i, tensor in enumerate(tensors):
+        name = _name(tensor.name, f"inputs[{i}]")
+        if name in arrays:
+            raise InvalidInputError(f"input {name!r} given twice")
+        dtype = v2_dtype(name, tensor.datatype)
+        refuse_shared_memory(tensor.parameters.keys(), f"inputs[{i}]")
+        shape = list(tensor.shape)
+        batches[name] = signature.check_tensor(name, dtype, shape)
+        count = math.prod(shape)
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidInputError(f"input {name!r}: give contents or raw_input_contents, not both")
+            arrays[name] = _raw_tensor(name, shape, dtype, count, raw[i], i)
+        else:
+            arrays[name] = _typed_tensor(name, shape, dtype, count, tensor)
+    return signature.complete(arrays, batches, _requested_outputs(message, signature))
+
+
+def _name(name: str, where: str) -> str:
+    if not name or len(name) > MAX_NAME_LEN:
+        raise InvalidInputError(f"{where}: a tensor name has 1 to {MAX_NAME_LEN} characters")
+    return printable(name, MAX_NAME_LEN)
+
+
+def _raw_tensor(name: str, shape: list[int], dtype: np.dtype, count: int, data: bytes, index: int) -> np.ndarray:
+    expected = count * dtype.itemsize
+    if len(data) != expected:
+        raise InvalidInputError(
+            f"input {name!r}: raw_input_contents[{index}] is {len(data)} bytes but shape {shape} of "
+            f"{NUMPY_TO_KSERVE[dtype]} needs {expected}"
+        )
+    wire = dtype.newbyteorder("<")
+    arr = np.frombuffer(data, dtype=wire, count=count).reshape(shape)
+    return arr if wire.isnative else arr.astype(dtype)
+
+
+def _typed_tensor(name: str, shape: list[int], dtype: np.dtype, count: int, tensor: Any) -> np.ndarray:
+    datatype = NUMPY_TO_KSERVE[dtype]
+    if datatype not in _CONTENTS:
+        raise InvalidInputError(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
+    field, held = _CONTENTS[datatype]
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidInputError(
+            f"input {name!r}: shape {shape} needs {count} values, contents.{field} has {len(values)}"
+        )
+    wide = np.array(values, dtype=held)
+    arr = wide.astype(dtype)
+    if held != dtype and not np.array_equal(arr, wide):
+        raise InvalidInputError(f"input {name!r}: a value in contents.{field} is out of range for {datatype}")
+    return arr.reshape(shape)
+
+
+def _requested_outputs(message: Any, signature: Signature) -> list[str] | None:
+    if not message.outputs:
+        return None
+    known = [spec.name for spec in signature.outputs]
+    names: list[str] = []
+    for i, output in enumerate(message.outputs):
+        requested_output(output.name, known, names)
+        params = output.parameters
+        refuse_shared_memory(params.keys(), f"outputs[{i}]")
+        refuse_classification({k: _parameter(v) for k, v in params.items()}, f"outputs[{i}]")
+        names.append(output.name)
+    return names
+
+
+def _parameter(value: Any) -> Any:
+    """The set member of an ``InferParameter`` (or ``ModelRepositoryParameter``) oneof."""
+    which = value.WhichOneof("parameter_choice")
+    return None if which is None else getattr(value, which)
+
+
+def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A protobuf parameters map as plain values."""
+    return {key: _parameter(value) for key, value in mapping.items()}
+
+
+def encode_infer(model: str, version: int, request_id: str, outputs: Mapping[str, np.ndarray]) -> Any:
+    """A ``ModelInferResponse`` with every output in ``raw_output_contents``."""
+    response = pb.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
+    tensors = response.outputs
+    raws = response.raw_output_contents
+    for name, raw in outputs.items():
+        arr = raw if raw.dtype.isnative else raw.astype(raw.dtype.newbyteorder("="))
+        datatype = NUMPY_TO_KSERVE.get(arr.dtype)
+        if datatype is None:  # ONNX types outside the V2 set are refused at model load; be safe anyway
+            arr, datatype = arr.astype(np.float32), "FP32"
+        tensors.add(name=name, datatype=datatype, shape=arr.shape)
+        raws.append((arr if _LITTLE_ENDIAN else arr.astype(arr.dtype.newbyteorder("<"))).tobytes())
+    return response
+
+
+# ------------------------------------------------------------------ metadata, config, extensions
+def model_metadata(doc: Mapping[str, Any]) -> Any:
+    return pb.ModelMetadataResponse(
+        name=doc["name"], versions=doc["versions"], platform=doc["platform"],
+        inputs=[_tensor_metadata(t) for t in doc["inputs"]], outputs=[_tensor_metadata(t) for t in doc["outputs"]],
+    )
+
+
+def _tensor_metadata(doc: Mapping[str, Any]) -> Any:
+    return pb.ModelMetadataResponse.TensorMetadata(name=doc["name"], datatype=doc["datatype"], shape=doc["shape"])
+
+
+def model_config(doc: Mapping[str, Any]) -> Any:
+    """The dataplane's Triton-shaped config (JSON names) as ``ModelConfigResponse``."""
+    return pb.ModelConfigResponse(config=json_format.ParseDict(doc, config_pb.ModelConfig()))
+
+
+def statistics(doc: Mapping[str, Any]) -> Any:
+    """``{"model_stats": [...]}`` (``registry.statistics``) as ``ModelStatisticsResponse``."""
+    return json_format.ParseDict(doc, pb.ModelStatisticsResponse())
+
+
+def repository_index(entries: Sequence[Mapping[str, Any]]) -> Any:
+    return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**entry) for entry in entries])

@@ -1,0 +1,218 @@
+"""``inference.GRPCInferenceService``: every RPC a thin codec around ``service.dataplane``.
+
+Behaviour is REST's, call for call: the same lookups, checks, batching, limits, admin token (the
+``authorization`` metadata, "Bearer <token>", for repository load and unload), metrics (``protocol="grpc"``),
+statistics and error texts, mapped to gRPC status codes (``errors``). Specifics of the protocol:
+
+* ``ModelReady`` answers ``ready: false`` for a model that is unknown or not ready (what ``tritonclient.http``'s
+  ``is_model_ready`` returns for REST's 404 and 503); a malformed name is INVALID_ARGUMENT.
+* ``ModelStreamInfer`` runs the requests of one stream concurrently (at most ``STREAM_IN_FLIGHT`` at once:
+  beyond, the stream is not read until one is answered) and answers each as it finishes; a failed request is
+  answered in the stream with ``error_message`` and the stream goes on, as Triton does. The client matches
+  answers by ``id``. When the client cancels or the call ends, every request still queued is cancelled, which
+  frees its place in the batching queue.
+* A cancelled unary call cancels its handler, and so its place in the batching queue, the same way.
+* Triton's shared-memory, trace and logging RPCs answer UNIMPLEMENTED with REST's "not supported" text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from service.dataplane import DataPlane, not_supported
+from service.errors import ModelNotReadyError, NotFoundError, ServiceError
+
+from . import codecs
+from .errors import abort, message_of
+from .messages import pb, pb_grpc
+
+STREAM_IN_FLIGHT = 256
+"""Requests of one stream being served at once."""
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+def _answers(method: Handler) -> Handler:
+    """Errors of a unary RPC become its status (``errors.abort``)."""
+
+    @functools.wraps(method)
+    async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # asyncio.CancelledError (a BaseException) passes
+            await abort(context, exc)
+
+    return rpc
+
+
+def _unsupported(extension: str) -> Handler:
+    async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context, not_supported(extension))
+
+    return rpc
+
+
+def _version(text: str) -> str | None:
+    return text or None
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
+
+
+class Servicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    # ------------------------------------------------------------------ health and metadata
+    @_answers
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    @_answers
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerReadyResponse(ready=self.dataplane.ready)
+
+    @_answers
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.dataplane.model_ready(request.name, _version(request.version))
+        except (NotFoundError, ModelNotReadyError):
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    @_answers
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerMetadataResponse(**self.dataplane.server_metadata())
+
+    @_answers
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return codecs.model_metadata(self.dataplane.model_metadata(request.name, _version(request.version)))
+
+    @_answers
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return codecs.model_config(self.dataplane.model_config(request.name, _version(request.version)))
+
+    # ------------------------------------------------------------------ inference
+    async def _infer(self, request: Any, endpoint: str) -> Any:
+        """One request through the dataplane, traced (in flight, metrics, statistics)."""
+        dataplane = self.dataplane
+        trace = dataplane.trace("grpc", endpoint)
+        outcome = "internal_error"
+        try:
+            mv = dataplane.model_for_infer(request.model_name, _version(request.model_version))
+            trace.resolved(mv)
+            checked = codecs.decode_infer(request, mv.signature)
+            trace.submitting(checked)
+            result = await dataplane.infer(mv, checked, alone=dataplane.inflight.alone())
+            trace.done(result)
+            response = codecs.encode_infer(mv.name, mv.version, request.id, result.outputs)
+            outcome = "success"
+            return response
+        except ServiceError as exc:
+            outcome = exc.code
+            raise
+        except asyncio.CancelledError:
+            outcome = "disconnected"
+            raise
+        finally:
+            trace.finish(outcome)
+
+    @_answers
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._infer(request, "v2_infer")
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        stream = _Stream(self)
+        async for answer in stream.serve(requests):
+            yield answer
+
+    async def stream_answer(self, request: Any) -> Any:
+        """One request of a stream: its response, or its error in ``error_message``."""
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request, "v2_stream_infer"))
+        except Exception as exc:
+            return pb.ModelStreamInferResponse(error_message=message_of(exc))
+
+    # ------------------------------------------------------------------ extensions
+    @_answers
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return codecs.statistics(self.dataplane.statistics(request.name or None, _version(request.version)))
+
+    @_answers
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return codecs.repository_index(await self.dataplane.repository_index(request.ready))
+
+    @_answers
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.dataplane.check_admin(_authorization(context))
+        await self.dataplane.load_model(request.model_name, codecs.parameters(request.parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    @_answers
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.dataplane.check_admin(_authorization(context))
+        await self.dataplane.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    SystemSharedMemoryStatus = _unsupported("system_shared_memory")
+    SystemSharedMemoryRegister = _unsupported("system_shared_memory")
+    SystemSharedMemoryUnregister = _unsupported("system_shared_memory")
+    CudaSharedMemoryStatus = _unsupported("cuda_shared_memory")
+    CudaSharedMemoryRegister = _unsupported("cuda_shared_memory")
+    CudaSharedMemoryUnregister = _unsupported("cuda_shared_memory")
+    TraceSetting = _unsupported("trace")
+    LogSettings = _unsupported("logging")
+
+
+class _Stream:
+    """The requests of one ``ModelStreamInfer`` call, served concurrently, answered as they finish."""
+
+    def __init__(self, servicer: Servicer) -> None:
+        self.servicer = servicer
+        self.slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        self.answers: asyncio.Queue[Any] = asyncio.Queue()
+        self.pending: set[asyncio.Task[Any]] = set()
+        self.read_all = False
+
+    async def serve(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        reader = asyncio.create_task(self._read(requests), name="grpc-stream-read")
+        try:
+            while not (self.read_all and not self.pending and self.answers.empty()):
+                answer = await self.answers.get()
+                if answer is None:  # the reader ended
+                    continue
+                self.slots.release()
+                yield answer
+            await reader  # a failure to read the stream ends the call with it
+        finally:
+            reader.cancel()
+            for task in self.pending:
+                task.cancel()  # a cancelled stream frees its requests' places in the batching queue
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def _read(self, requests: AsyncIterator[Any]) -> None:
+        try:
+            async for request in requests:
+                await self.slots.acquire()
+                task = asyncio.create_task(self.servicer.stream_answer(request))
+                self.pending.add(task)
+                task.add_done_callback(self._answered)
+        finally:
+            self.read_all = True
+            self.answers.put_nowait(None)
+
+    def _answered(self, task: asyncio.Task[Any]) -> None:
+        self.pending.discard(task)
+        if not task.cancelled():
+            self.answers.put_nowait(task.result())
