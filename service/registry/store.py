@@ -14,7 +14,10 @@ then appears in one ``rename``; single files are replaced the same way (temp fil
 fsync, rename, fsync the folder). Version numbers are allocated under a lock (a thread lock plus an
 ``flock`` for other processes sharing the folder), so concurrent uploads to one name get distinct
 versions. Names are validated and every path is resolved and checked to stay directly under the root.
-A full disk gives ``InsufficientStorageError`` (507) with nothing half-written.
+
+A write the filesystem refuses (full disk, quota, read-only mount, permissions) raises the 507 error that
+``service.errors.storage_error`` names, with nothing half-written; a store that cannot be written is
+still read (listing, loading), and startup's cleanup only logs what it could not remove.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
+from service.errors import BadRequestError, NotFoundError, storage_error
 from service.registry.acceptance import validate_model_name
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,6 @@ _LAST_VERSION = ".last-version"
 _LOCK = ".lock"
 _TMP_PREFIX = ".tmp-"
 _ARTIFACT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}\.(onnx|json)", re.ASCII)
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -65,13 +67,14 @@ def cache_key(original_sha256: str, optimizer_version: str, fields: dict[str, An
 
 @contextlib.contextmanager
 def _disk_errors() -> Iterator[None]:
-    """ENOSPC / EDQUOT -> InsufficientStorageError; other OSErrors propagate."""
+    """A refused write (no space, quota, read-only, permissions) -> its 507 error; other OSErrors propagate."""
     try:
         yield
     except OSError as exc:
-        if exc.errno in _NO_SPACE:
-            raise InsufficientStorageError("not enough disk space to store the model") from exc
-        raise
+        error = storage_error(exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -115,11 +118,12 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Remove a file, link or folder without ever following a symlink."""
+    """Remove a file, link or folder without ever following a symlink (OSError: what refused it)."""
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(path)
 
 
 class ModelStore:
@@ -128,8 +132,11 @@ class ModelStore:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root.resolve()
         self.staging_dir = self.root / STAGING
-        self.staging_dir.mkdir(exist_ok=True)
         self._lock = threading.Lock()
+        try:
+            self._ensure_staging()
+        except OSError as exc:  # a read-only store still serves what it holds; uploads will say why they fail
+            log.warning("store: cannot create the staging folder (%s)", exc.strerror or exc)
 
     # ------------------------------------------------------------------ paths
 
@@ -157,16 +164,21 @@ class ModelStore:
 
     # ------------------------------------------------------------------ staging
 
+    def _ensure_staging(self) -> None:
+        self.staging_dir.mkdir(exist_ok=True)
+
     def new_staging_file(self, suffix: str = ".part") -> Path:
         """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
         path = self.staging_dir / f"{uuid.uuid4().hex}{suffix}"
         with _disk_errors():
+            self._ensure_staging()
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         return path
 
     def new_staging_dir(self) -> Path:
         path = self.staging_dir / f"{uuid.uuid4().hex}.d"
         with _disk_errors():
+            self._ensure_staging()
             path.mkdir(mode=0o700)
         return path
 
@@ -255,11 +267,12 @@ class ModelStore:
             atomic_write(self.version_dir(name, version) / METADATA, _dump(data))
 
     def delete_version(self, name: str, version: int) -> None:
-        """Remove a version: it disappears in one rename, then its files are deleted."""
+        """Remove a version: it disappears in one rename, then its files are deleted. When the rename is
+        refused (read-only store, permissions) the version is still complete and the error says why."""
         path = self.version_dir(name, version)
         model_dir = path.parent
         trash = model_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        with self._locked():
+        with _disk_errors(), self._locked():
             os.rename(path, trash)
             _fsync_dir(model_dir)
         shutil.rmtree(trash, ignore_errors=True)
@@ -322,36 +335,38 @@ class ModelStore:
 
     def cleanup_leftovers(self) -> int:
         """Remove what a crash may have left: staging contents, temp folders and files, versions without
-        metadata. Returns how many entries were removed."""
-        removed = 0
-        for entry in self.staging_dir.iterdir():
-            _remove(entry)
-            removed += 1
+        metadata. Returns how many entries were removed. Entries that cannot be removed (a read-only store)
+        stay, invisible as before, and one log line says how many and why."""
+        leftovers = list(self.staging_dir.iterdir()) if self.staging_dir.is_dir() else []
         for model_dir in self.root.iterdir():
             if not self._is_model_dir(model_dir):
                 continue
             versions = {str(v) for v in self._version_numbers(model_dir, complete_only=False)}
             for entry in model_dir.iterdir():
                 if entry.name.startswith(_TMP_PREFIX) or entry.name.endswith(".tmp"):
-                    _remove(entry)
-                    removed += 1
+                    leftovers.append(entry)
                 elif entry.name in versions:
-                    removed += self._clean_version_dir(entry)
+                    leftovers.extend(self._version_leftovers(entry))
+        removed, failure = 0, None
+        for entry in leftovers:
+            try:
+                _remove(entry)
+                removed += 1
+            except OSError as exc:
+                failure = exc
         if removed:
             log.info("store: removed %d leftover entries from an earlier run", removed)
+        if failure is not None:
+            error = storage_error(failure)
+            why = error.message if error is not None else (failure.strerror or type(failure).__name__)
+            log.warning("store: could not remove %d leftover entries (%s)", len(leftovers) - removed, why)
         return removed
 
     @staticmethod
-    def _clean_version_dir(version_dir: Path) -> int:
+    def _version_leftovers(version_dir: Path) -> list[Path]:
         if not (version_dir / METADATA).is_file():
-            _remove(version_dir)
-            return 1
-        removed = 0
-        for entry in version_dir.iterdir():
-            if entry.name.endswith(".tmp"):
-                _remove(entry)
-                removed += 1
-        return removed
+            return [version_dir]
+        return [entry for entry in version_dir.iterdir() if entry.name.endswith(".tmp")]
 
 
 def _dump(data: dict[str, Any]) -> bytes:

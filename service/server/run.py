@@ -10,7 +10,9 @@ and runs one such server per worker process.
 
 from __future__ import annotations
 
+import functools
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -53,10 +55,14 @@ class _Server(uvicorn.Server):
                 captured.clear()
 
 
-def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
+def uvicorn_config(
+    settings: ServiceSettings, app: object, on_refused: Callable[[str], None] | None = None
+) -> uvicorn.Config:
+    """``on_refused``: counts what the HTTP layer refuses (``service.server.http_guard``), by reason."""
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
-        http=GatheredWritesProtocol,
+        http=functools.partial(GatheredWritesProtocol, on_refused=on_refused),  # type: ignore[arg-type]
+        ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP, under the same limits
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -86,7 +92,8 @@ def run_server(
     """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port).
     ``balancer``: this worker's share of the kept-alive connections (several workers on one port)."""
     served = app if balancer is None else BalanceMiddleware(app, balancer)
-    server = _Server(uvicorn_config(settings, served), app.state.lifecycle, announce=announce)
+    config = uvicorn_config(settings, served, on_refused=app.state.metrics.refused_connection)
+    server = _Server(config, app.state.lifecycle, announce=announce)
     if balancer is not None:
         balancer.on_close = app.state.metrics.rebalanced.inc
         balancer.bind(lambda: len(server.server_state.connections))
