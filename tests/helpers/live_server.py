@@ -27,7 +27,8 @@ OCTET = "application/octet-stream"
 LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+))")
 GRACE_S = 5.0
 WITHOUT_HTTPTOOLS = (
-    "import runpy, sys; sys.modules['httptools'] = None; runpy.run_module('service', run_name='__main__', alter_sys=True)"
+    "import runpy, sys; sys.modules['httptools'] = None; "
+    "runpy.run_module('service', run_name='__main__', alter_sys=True)"
 )
 """``python -c`` program: the server as if httptools were not installed (uvicorn's h11 protocol underneath)."""
 

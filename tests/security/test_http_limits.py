@@ -89,12 +89,15 @@ def test_header_fields_beyond_the_limit_are_431(server: Server) -> None:
     fields = b"".join(b"X-F%d: v\r\n" % i for i in range(MAX_HEADER_FIELDS - 1))  # + Host: the limit exactly
     answer, _ = _exchange(server, LIVE + fields + b"\r\n")
     assert answer is not None and answer.status == 200, answer
-    before = _refused(server, "header_fields")
+    before = _refused(server, "header_fields"), _refused(server, "head_size")
     answer, closed = _exchange(server, LIVE + fields + b"X-One-Too-Many: v\r\n\r\n")
     assert f"more than {MAX_HEADER_FIELDS} header fields" in _assert_json_refusal(answer, closed, 431)
+    assert _refused(server, "header_fields") == before[0] + 1
+    # 10,000 fields (126 KiB): llhttp counts them as they come, h11 parses only a whole head, so there the
+    # 64 KiB budget ends it first; 431 either way
     answer, closed = _exchange(server, LIVE + b"".join(b"X-F%d: v\r\n" % i for i in range(10_000)) + b"\r\n")
     _assert_json_refusal(answer, closed, 431)
-    assert _refused(server, "header_fields") == before + 2
+    assert _refused(server, "header_fields") + _refused(server, "head_size") == sum(before) + 2
 
 
 def test_a_head_beyond_64_kib_is_431(server: Server) -> None:
