@@ -27,6 +27,8 @@ SERVER_NAME = "onnx-cnn-serve"
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 _VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
+MAX_VERSION = 10**18 - 1
+"""The largest version a client may name: 18 digits, so every accepted version fits an int64."""
 
 
 @functools.cache
@@ -42,13 +44,17 @@ def check_name(name: str) -> str:
     return validate_model_name(name)
 
 
-def parse_version(text: str | None) -> int | None:
-    """A model version as a client wrote it: digits, no sign, no leading zero (None: the latest)."""
-    if text is None:
+def parse_version(value: object) -> int | None:
+    """A model version as a client wrote it (None: the latest): text of digits without sign, spaces or a
+    leading zero, or a JSON integer, from 1 to ``MAX_VERSION``. Anything else, on any route and in any
+    protocol, is the same 400."""
+    if value is None:
         return None
-    if not isinstance(text, str) or not _VERSION_RE.fullmatch(text):
-        raise BadRequestError("model version must be a positive integer")
-    return int(text)
+    if isinstance(value, str) and _VERSION_RE.fullmatch(value):
+        return int(value)
+    if type(value) is int and 1 <= value <= MAX_VERSION:
+        return value
+    raise BadRequestError("model version must be a positive integer")
 
 
 class DataPlane:
@@ -109,9 +115,9 @@ class DataPlane:
         }
 
     # ------------------------------------------------------------------ inference
-    def model_for_infer(self, name: str | None, version: str | int | None = None) -> ModelVersion:
+    def model_for_infer(self, name: str | None, version: object = None) -> ModelVersion:
         """The READY version a request addresses (the only model when no name is given)."""
-        number = version if isinstance(version, int) or version is None else parse_version(version)
+        number = parse_version(version)
         table = self.manager.table
         if name is None:
             only = table.only_model()

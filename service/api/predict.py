@@ -63,7 +63,7 @@ async def predict(
             inputs = {spec.name: _npy_input(body, spec.dtype)}
         else:
             req = decode_predict(body)
-            mv = dataplane.model_for_infer(req.model or model, req.version or version)
+            mv = dataplane.model_for_infer(req.model or model, version if req.version is None else req.version)
             inputs = arrays_from_nested(req.inputs, mv.signature)
         obs.model = mv.name
         obs.result = await infer(request, mv, mv.signature.request(inputs))
