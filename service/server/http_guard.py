@@ -15,9 +15,10 @@ needs more is misconfigured):
   never handed to the parser, so an unfinished head costs at most the budget plus one socket read.
 * ``MAX_HEADER_FIELDS`` 100 -> 431 (nginx and Node allow a similar head size; 100 is Go's and Apache's order).
 * ``MAX_URL_BYTES`` 8 KiB for the request target -> 414 (Apache's and nginx's default line size).
-* ``HEAD_TIMEOUT_S`` 10 s from the first read of an unfinished head to its end -> 408. A fresh connection
-  must send its first byte within uvicorn's keep-alive timeout, as an idle kept-alive one must (uvicorn arms
-  that timer only after a response).
+* ``HEAD_TIMEOUT_S`` 10 s from the first read of an unfinished head to its end -> 408. A connection with
+  nothing in progress must send its next byte within uvicorn's keep-alive timeout: uvicorn arms that timer
+  after a response only, and any byte stops it, so here it is armed as well when a connection opens and
+  once a body that arrived after its answer has ended.
 * ``UNREAD_BODY_TIMEOUT_S`` 10 s: when the application answered without reading the whole body (401, 413,
   415, ...), the rest must arrive within this, or the connection is closed. The deadline of a body the
   application reads is ``service.api.bodies``'s: only the route knows how long its body may take.
@@ -173,6 +174,10 @@ class _Guard:
         """The response is complete while the request's body is still arriving."""
         raise NotImplementedError
 
+    def _idle(self) -> bool:
+        """Nothing is in progress: no head begun, no body arriving, no response being written."""
+        raise NotImplementedError
+
     def _feed(self, data: bytes) -> bool:
         """Hand ``data`` to the parser; False once the connection is refused or closing."""
         raise NotImplementedError
@@ -233,6 +238,10 @@ class _Guard:
         elif self._unread_timer is not None:
             self._unread_timer.cancel()
             self._unread_timer = None
+        if self.timeout_keep_alive_task is None and self._idle():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler  # type: ignore[attr-defined]
+            )
 
     def _cancel_timers(self) -> None:
         for timer in (self._head_timer, self._unread_timer):
@@ -326,6 +335,10 @@ if HttpToolsProtocol is not None:
         def _unread_body(self) -> bool:
             return self._in_body and self.cycle is not None and self.cycle.response_complete
 
+        def _idle(self) -> bool:
+            return (not self._in_body and self._head_bytes == 0 and not self.pipeline
+                    and (self.cycle is None or self.cycle.response_complete))
+
         def _feed(self, data: bytes) -> bool:
             try:
                 self.parser.feed_data(data)
@@ -416,6 +429,10 @@ class H11Guard(_Guard, H11Protocol):
 
     def _unread_body(self) -> bool:
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
+
+    def _idle(self) -> bool:
+        return (self.conn.their_state is h11.IDLE and self._head_bytes == 0
+                and (self.cycle is None or self.cycle.response_complete))
 
     def _feed(self, data: bytes) -> bool:
         self.conn.receive_data(data)

@@ -109,6 +109,20 @@ def test_a_body_the_app_did_not_read_must_end_in_time(server: Threaded) -> None:
     _others_are_served(server)
 
 
+def test_a_body_that_ends_after_its_answer_leaves_an_idle_connection_that_times_out(server: Threaded) -> None:
+    """uvicorn's keep-alive timer stops at any byte; once the unread body has ended, it runs again."""
+    head = b"POST /v1/models/m HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+    with server.connect() as sock:
+        sock.sendall(head + b"Content-Length: 2000\r\n\r\n" + b"x" * 1000)
+        answer = read_response(sock, 3)
+        assert answer is not None and answer.status == 401, answer
+        time.sleep(UNREAD_S / 3)
+        sock.sendall(b"x" * 1000)  # the body ends within the unread-body deadline
+        start = time.monotonic()
+        assert closed_within(sock, KEEP_ALIVE_S + 2)
+        assert KEEP_ALIVE_S - 0.05 < time.monotonic() - start < KEEP_ALIVE_S + 0.5
+
+
 def test_refusals_are_counted_once_per_connection(server: Threaded) -> None:
     """An oversized head is one refusal, however many bytes follow it."""
     before = _refused(server, "head_size")
