@@ -44,14 +44,20 @@ def check_name(name: str) -> str:
     return validate_model_name(name)
 
 
-def parse_version(value: object) -> int | None:
-    """A model version as a client wrote it (None: the latest): text of digits without sign, spaces or a
-    leading zero, or a JSON integer, from 1 to ``MAX_VERSION``. Anything else, on any route and in any
-    protocol, is the same 400."""
-    if value is None:
+def parse_version(text: str | None) -> int | None:
+    """A model version as a client wrote it in text (a path or query parameter; None: the latest): digits
+    without sign, space or leading zero, from 1 to ``MAX_VERSION``. Anything else is the 400 of
+    ``version_number``, the same on every route and in every protocol."""
+    if text is None:
         return None
-    if isinstance(value, str) and _VERSION_RE.fullmatch(value):
-        return int(value)
+    if isinstance(text, str) and _VERSION_RE.fullmatch(text):
+        return int(text)
+    return version_number(text)
+
+
+def version_number(value: object) -> int:
+    """A model version a client sent as a number (a JSON body, a protobuf integer): an integer (not a bool,
+    not a float, not text) from 1 to ``MAX_VERSION``, else the one 400 for a bad version."""
     if type(value) is int and 1 <= value <= MAX_VERSION:
         return value
     raise BadRequestError("model version must be a positive integer")
@@ -115,9 +121,10 @@ class DataPlane:
         }
 
     # ------------------------------------------------------------------ inference
-    def model_for_infer(self, name: str | None, version: object = None) -> ModelVersion:
-        """The READY version a request addresses (the only model when no name is given)."""
-        number = parse_version(version)
+    def model_for_infer(self, name: str | None, version: str | int | None = None) -> ModelVersion:
+        """The READY version a request addresses (the only model when no name is given): ``version`` as text
+        (``parse_version``) or as a number (``version_number``)."""
+        number = parse_version(version) if version is None or isinstance(version, str) else version_number(version)
         table = self.manager.table
         if name is None:
             only = table.only_model()

@@ -5,12 +5,13 @@ length) are cut off as soon as the running count passes the limit. Uploads go st
 file chunk by chunk (raw body, or a multipart form parsed by python-multipart's streaming parser), so a
 model of hundreds of MiB never sits in memory and Starlette never spools a copy of it to a temp dir.
 
-Deadline: a body must have arrived ``request_timeout_s`` (30 s by default) plus one second per MiB after
-the handler starts reading it, the MiB counted from its ``Content-Length``, or from the route's size
-limit when it is chunked (``body_deadline_s``). A client slower than that (a slowloris trickling bytes) gets
-408 with ``Connection: close``, its buffers and its request slot are freed, and
-``service_connections_refused_total{reason="body_timeout"}`` counts it. So a 600 KB inference body has
-about 31 s and a 512 MiB upload 542 s, i.e. a client must keep up at least 1 MiB/s beyond the first 30 s.
+Deadline (``timeout_s``: the routes pass ``request_timeout_s``): a body must have arrived ``timeout_s``
+(30 s by default) plus one second per MiB after the handler starts reading it, the MiB counted from its
+``Content-Length``, or from the route's size limit when it is chunked (``body_deadline_s``). A client
+slower than that (a slowloris trickling bytes) gets 408 with ``Connection: close``, its buffers and its
+request slot are freed, and ``service_connections_refused_total{reason="body_timeout"}`` counts it. So a
+600 KB inference body has about 31 s and a 512 MiB upload 542 s: a client must keep up at least 1 MiB/s
+beyond the first 30 s.
 The deadline lives here, not in the HTTP protocol, because only the route knows what it reads (an upload
 may take minutes, an inference body may not); the protocol (``service.server.http_guard``) bounds the
 head, and the body of a request whose handler answered without reading it.
@@ -36,7 +37,7 @@ from service.errors import (
     storage_error,
 )
 
-from .deps import metrics_of, settings_of
+from .deps import metrics_of
 
 MIB = 1024 * 1024
 WRITE_CHUNK = MIB  # bytes gathered before one (threaded) file write
@@ -67,11 +68,18 @@ def body_deadline_s(timeout_s: float, declared: int | None, limit: int) -> float
     return timeout_s + (limit if declared is None else declared) / MIN_BODY_RATE
 
 
-async def _chunks(request: Request, declared: int | None, limit: int, what: str) -> AsyncIterator[bytes]:
-    """``request.stream()`` under the body deadline (``RequestBodyTimeoutError`` once it has passed)."""
-    deadline_s = body_deadline_s(settings_of(request).request_timeout_s, declared, limit)
-    deadline = asyncio.get_running_loop().time() + deadline_s
+async def _chunks(
+    request: Request, declared: int | None, limit: int, what: str, timeout_s: float | None
+) -> AsyncIterator[bytes]:
+    """``request.stream()`` under the body deadline (``RequestBodyTimeoutError`` once it has passed; no
+    deadline when ``timeout_s`` is None)."""
     stream = request.stream().__aiter__()
+    if timeout_s is None:
+        async for chunk in stream:
+            yield chunk
+        return
+    deadline_s = body_deadline_s(timeout_s, declared, limit)
+    deadline = asyncio.get_running_loop().time() + deadline_s
     while True:
         try:
             async with asyncio.timeout_at(deadline):
@@ -86,15 +94,18 @@ async def _chunks(request: Request, declared: int | None, limit: int, what: str)
         yield chunk
 
 
-async def read_body(request: Request, limit: int, what: str = "request body") -> bytes:
-    """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``."""
+async def read_body(
+    request: Request, limit: int, what: str = "request body", *, timeout_s: float | None = None
+) -> bytes:
+    """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``, under
+    the deadline of ``timeout_s``."""
     encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate"):
         raise UnsupportedMediaTypeError(f"Content-Encoding {encoding[:32]!r} is not supported")
     declared = check_declared_length(request, limit, what)
     chunks: list[bytes] = []
     total = 0
-    async for chunk in _chunks(request, declared, limit, what):
+    async for chunk in _chunks(request, declared, limit, what, timeout_s):
         if not chunk:  # Starlette ends every stream with b"": joining it would copy the whole body once more
             continue
         total += len(chunk)
@@ -159,12 +170,13 @@ def _open_staged(dest: Path) -> BinaryIO:
         raise _storage_error(exc) from None
 
 
-async def stream_raw_upload(request: Request, dest: Path, limit: int) -> int:
-    """Stream an ``application/octet-stream`` body into ``dest``; returns its size."""
+async def stream_raw_upload(request: Request, dest: Path, limit: int, *, timeout_s: float | None = None) -> int:
+    """Stream an ``application/octet-stream`` body into ``dest`` (under the deadline of ``timeout_s``);
+    returns its size."""
     declared = check_declared_length(request, limit, "model upload")
     with _open_staged(dest) as fh:
         sink = _FileSink(fh, limit)
-        async for chunk in _chunks(request, declared, limit, "model upload"):
+        async for chunk in _chunks(request, declared, limit, "model upload", timeout_s):
             sink.add(chunk)
             await sink.flush()
         await sink.flush(force=True)
@@ -228,8 +240,11 @@ class _FormState:
         self.ended = True
 
 
-async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> str | None:
-    """Stream the ``file`` field of a multipart form into ``dest``; returns the ``config`` field."""
+async def stream_multipart_upload(
+    request: Request, dest: Path, limit: int, *, timeout_s: float | None = None
+) -> str | None:
+    """Stream the ``file`` field of a multipart form into ``dest`` (under the deadline of ``timeout_s``);
+    returns the ``config`` field."""
     _, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if not boundary:
@@ -243,7 +258,7 @@ async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> s
         except Exception:
             raise BadRequestError("invalid multipart boundary") from None
         received = 0
-        async for chunk in _chunks(request, declared, body_limit, "model upload"):
+        async for chunk in _chunks(request, declared, body_limit, "model upload", timeout_s):
             received += len(chunk)
             if received > body_limit:
                 raise _too_large(limit, "model upload")

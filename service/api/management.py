@@ -13,6 +13,7 @@ body byte is read.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any
 
 import orjson
@@ -116,19 +117,21 @@ async def upload_model(
         raise UnsupportedMediaTypeError("compressed uploads are not supported")
     model_config = _early_config(config, request.headers.get(CONFIG_HEADER))
     dataplane = dataplane_of(request)
-    limit = settings_of(request).max_upload_mb * MIB
+    settings = settings_of(request)
+    limit, timeout_s = settings.max_upload_mb * MIB, settings.request_timeout_s
     staged = dataplane.new_staging_file()
     try:
         if media == MULTIPART:
-            form_config = await stream_multipart_upload(request, staged, limit)
+            form_config = await stream_multipart_upload(request, staged, limit, timeout_s=timeout_s)
             if form_config is not None:
                 if model_config is not None:
                     raise BadRequestError("give the model config once (form field, query or header)")
                 model_config = parse_model_config(form_config)
         else:
-            await stream_raw_upload(request, staged, limit)
+            await stream_raw_upload(request, staged, limit, timeout_s=timeout_s)
     except BaseException:
-        staged.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
+            staged.unlink(missing_ok=True)
         raise
     mv = await dataplane.upload(name, staged, model_config or ModelConfig())
     return json_response(describe_version(mv), status=201)

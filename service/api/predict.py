@@ -14,6 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from service.dataplane import version_number
 from service.errors import BadRequestError, UnsupportedMediaTypeError
 from service.runtime.contract import TensorSpec
 
@@ -55,7 +56,8 @@ async def predict(
         media = _media_type(request)
         if not _is_json(media) and media != NPY_MEDIA_TYPE:
             raise UnsupportedMediaTypeError(f"send application/json or {NPY_MEDIA_TYPE}, not {media[:64]!r}")
-        body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        settings = settings_of(request)
+        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s)
         dataplane = dataplane_of(request)
         if media == NPY_MEDIA_TYPE:
             mv = dataplane.model_for_infer(model, version)
@@ -63,7 +65,8 @@ async def predict(
             inputs = {spec.name: _npy_input(body, spec.dtype)}
         else:
             req = decode_predict(body)
-            mv = dataplane.model_for_infer(req.model or model, version if req.version is None else req.version)
+            number = version if req.version is None else version_number(req.version)
+            mv = dataplane.model_for_infer(req.model or model, number)
             inputs = arrays_from_nested(req.inputs, mv.signature)
         obs.model = mv.name
         obs.result = await infer(request, mv, mv.signature.request(inputs))

@@ -95,7 +95,8 @@ _INFER_ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 415, 503
 async def handle_infer(request: Request, name: str, version: str | None) -> Response:
     """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
     async with Observed(request, "v2_infer") as obs:
-        body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        settings = settings_of(request)
+        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s)
         mv = dataplane_of(request).model_for_infer(name, version)
         obs.model = mv.name
         decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature)

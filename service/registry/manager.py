@@ -334,19 +334,23 @@ class ModelManager:
         if await asyncio.to_thread(sha256_file, original) != mv.metadata.original.sha256:
             raise UnprocessableError("the stored original does not match its checksum")
         try:
-            out_dir = await asyncio.to_thread(self.store.new_staging_dir)
-            try:
-                outcome = await self._optimize(original, out_dir, mv.config)
-                record = await asyncio.to_thread(self._optimization_record, outcome, mv.config)
-                for filename, path in outcome.files().items():
-                    data = await asyncio.to_thread(path.read_bytes)
-                    await asyncio.to_thread(self.store.write_artifact, mv.name, mv.version, filename, data)
-            finally:
-                shutil.rmtree(out_dir, ignore_errors=True)
-            mv.metadata = mv.metadata.with_optimization(record)
-            await asyncio.to_thread(self.store.write_metadata, mv.name, mv.version, mv.metadata.to_dict())
-        except InsufficientStorageError as exc:
+            await self._rewrite_optimized(mv, original)
+        except InsufficientStorageError as exc:  # e.g. a read-only store: the version fails, saying why
             raise type(exc)(f"its optimized files are out of date and cannot be rewritten: {exc.message}") from exc
+
+    async def _rewrite_optimized(self, mv: ModelVersion, original: Path) -> None:
+        assert mv.metadata is not None
+        out_dir = await asyncio.to_thread(self.store.new_staging_dir)
+        try:
+            outcome = await self._optimize(original, out_dir, mv.config)
+            record = await asyncio.to_thread(self._optimization_record, outcome, mv.config)
+            for filename, path in outcome.files().items():
+                data = await asyncio.to_thread(path.read_bytes)
+                await asyncio.to_thread(self.store.write_artifact, mv.name, mv.version, filename, data)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        mv.metadata = mv.metadata.with_optimization(record)
+        await asyncio.to_thread(self.store.write_metadata, mv.name, mv.version, mv.metadata.to_dict())
 
     async def _load(self, mv: ModelVersion) -> None:
         """Load the engine (the tuner picks a variant; its record is stored), start the batcher, warm."""

@@ -30,7 +30,8 @@ nothing is written for the refused one. ``on_refused`` counts each refusal by re
 (``service_connections_refused_total{reason}``).
 
 How: one guard over either of uvicorn's parsers: ``HttpToolsGuard`` where httptools is installed (uvicorn's
-choice too), ``H11Guard`` otherwise; ``GuardedProtocol`` is the one in use. ``data_received`` hands the parser
+choice too), ``H11Guard`` otherwise; ``GuardedProtocol`` is the one in use, and ``GuardedConfig`` brings it
+its limits and the counting callback (uvicorn builds each protocol from its config). ``data_received`` hands the parser
 at most the head budget that is left while a head is being read; the parser's own events count the fields
 and the URL and say when a head is complete. A head that starts in the same read as the end of the previous
 request (a pipelining client) is counted from the next read, so it may hold one read (at most 256 KiB)
@@ -49,6 +50,7 @@ from typing import Any
 
 import h11
 import orjson
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # uvicorn[standard] brings httptools; without it uvicorn uses h11
@@ -80,6 +82,19 @@ class HeadLimits:
     max_url_bytes: int = MAX_URL_BYTES
     head_timeout_s: float = HEAD_TIMEOUT_S
     unread_body_timeout_s: float = UNREAD_BODY_TIMEOUT_S
+
+
+class GuardedConfig(uvicorn.Config):
+    """uvicorn's configuration plus the guard's: its limits and the callback that counts each refusal by
+    reason (under a plain ``uvicorn.Config`` the guard applies the default limits and counts nothing)."""
+
+    def __init__(
+        self, app: Any, *, head_limits: HeadLimits = HeadLimits(), on_refused: Callable[[str], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self.head_limits = head_limits
+        self.on_refused = on_refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +165,10 @@ class _Guard:
     timeout_keep_alive: float
     timeout_keep_alive_task: asyncio.TimerHandle | None
 
-    def _init_guard(self, limits: HeadLimits, on_refused: Callable[[str], None] | None) -> None:
-        self.limits = limits
-        self._on_refused = on_refused
+    def _init_guard(self, config: uvicorn.Config) -> None:
+        guarded = isinstance(config, GuardedConfig)
+        self.limits = config.head_limits if guarded else HeadLimits()
+        self._on_refused = config.on_refused if guarded else None
         self._head_bytes = 0
         """Bytes of the head being read that were handed to the parser."""
         self._head_timer: asyncio.TimerHandle | None = None
@@ -317,12 +333,11 @@ if HttpToolsProtocol is not None:
         """uvicorn's httptools protocol under the limits: fields and URL counted in llhttp's callbacks."""
 
         def __init__(
-            self, config: Any, server_state: Any, app_state: dict[str, Any],
-            _loop: asyncio.AbstractEventLoop | None = None, *, limits: HeadLimits = HeadLimits(),
-            on_refused: Callable[[str], None] | None = None,
+            self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+            _loop: asyncio.AbstractEventLoop | None = None,
         ) -> None:
             super().__init__(config, server_state, app_state, _loop)
-            self._init_guard(limits, on_refused)
+            self._init_guard(config)
             self._in_body = False
             self._callback_refusal: Refusal | None = None
 
@@ -413,13 +428,12 @@ class H11Guard(_Guard, H11Protocol):
     """uvicorn's h11 protocol under the limits: h11's parsed heads checked as they come out."""
 
     def __init__(
-        self, config: Any, server_state: Any, app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None, *, limits: HeadLimits = HeadLimits(),
-        on_refused: Callable[[str], None] | None = None,
+        self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self._init_guard(limits, on_refused)
-        self.conn = _BoundedConnection(limits, self._head_complete)
+        self._init_guard(config)
+        self.conn = _BoundedConnection(self.limits, self._head_complete)
 
     def _reading_head(self) -> bool:
         return self.conn.their_state is not h11.SEND_BODY

@@ -10,7 +10,6 @@ and runs one such server per worker process.
 
 from __future__ import annotations
 
-import functools
 import socket
 from collections.abc import Callable
 from types import FrameType
@@ -21,6 +20,7 @@ import uvicorn
 from service.api.app import create_app
 from service.api.lifecycle import Lifecycle
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
+from service.server.http_guard import GuardedConfig
 from service.server.process import configure_process
 from service.server.transport import GatheredWritesProtocol
 from service.settings import ServiceSettings
@@ -59,9 +59,10 @@ def uvicorn_config(
     settings: ServiceSettings, app: object, on_refused: Callable[[str], None] | None = None
 ) -> uvicorn.Config:
     """``on_refused``: counts what the HTTP layer refuses (``service.server.http_guard``), by reason."""
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        http=functools.partial(GatheredWritesProtocol, on_refused=on_refused),  # type: ignore[arg-type]
+    return GuardedConfig(
+        app,
+        on_refused=on_refused,
+        http=GatheredWritesProtocol,
         ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP, under the same limits
         host=settings.host,
         port=settings.port,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import socket
 import threading
 import time
@@ -58,10 +57,9 @@ def serving(
     settings: ServiceSettings, parser: str, *, limits: HeadLimits | None = None, keep_alive_s: float | None = None
 ) -> Iterator[Threaded]:
     app = create_app(settings)
-    config = uvicorn_config(settings, app)
-    config.http = functools.partial(  # type: ignore[assignment]
-        PROTOCOLS[parser], limits=limits or HeadLimits(), on_refused=app.state.metrics.refused_connection
-    )
+    config = uvicorn_config(settings, app, on_refused=app.state.metrics.refused_connection)
+    config.http = PROTOCOLS[parser]  # type: ignore[assignment]
+    config.head_limits = limits or HeadLimits()
     if keep_alive_s is not None:
         config.timeout_keep_alive = keep_alive_s  # type: ignore[assignment]
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
