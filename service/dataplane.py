@@ -57,6 +57,8 @@ UNSUPPORTED = {
 }
 """Triton extensions clients call that this server does not implement (``not_supported``)."""
 _VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
+MAX_VERSION = 10**18 - 1
+"""The largest version a client may name: 18 digits, so every accepted version fits an int64."""
 DISABLED_MESSAGE = (
     "management endpoints are disabled: set SERVICE_ADMIN_TOKEN (at least 16 characters) on the server "
     "and send it as 'Authorization: Bearer <token>'"
@@ -77,12 +79,22 @@ def check_name(name: str) -> str:
 
 
 def parse_version(text: str | None) -> int | None:
-    """A model version as a client wrote it: digits, no sign, no leading zero (None: the latest)."""
+    """A model version as a client wrote it in text (a path or query parameter; None: the latest): digits
+    without sign, space or leading zero, from 1 to ``MAX_VERSION``. Anything else is the 400 of
+    ``version_number``, the same on every route and in every protocol."""
     if text is None:
         return None
-    if not isinstance(text, str) or not _VERSION_RE.fullmatch(text):
-        raise BadRequestError("model version must be a positive integer")
-    return int(text)
+    if isinstance(text, str) and _VERSION_RE.fullmatch(text):
+        return int(text)
+    return version_number(text)
+
+
+def version_number(value: object) -> int:
+    """A model version a client sent as a number (a JSON body, a protobuf integer): an integer (not a bool,
+    not a float, not text) from 1 to ``MAX_VERSION``, else the one 400 for a bad version."""
+    if type(value) is int and 1 <= value <= MAX_VERSION:
+        return value
+    raise BadRequestError("model version must be a positive integer")
 
 
 def not_supported(extension: str) -> NotSupportedError:
@@ -250,8 +262,9 @@ class DataPlane:
 
     # ------------------------------------------------------------------ inference
     def model_for_infer(self, name: str | None, version: str | int | None = None) -> ModelVersion:
-        """The READY version a request addresses (the only model when no name is given)."""
-        number = version if isinstance(version, int) or version is None else parse_version(version)
+        """The READY version a request addresses (the only model when no name is given): ``version`` as text
+        (``parse_version``) or as a number (``version_number``)."""
+        number = parse_version(version) if version is None or isinstance(version, str) else version_number(version)
         table = self.manager.table
         if name is None:
             only = table.only_model()

@@ -11,6 +11,7 @@ directories.
 
 from __future__ import annotations
 
+import errno
 import re
 
 _DIRECTORY = re.compile(r"(/[^\s:]+/)([^/\s:]+)")
@@ -132,8 +133,41 @@ class RequestTimeoutError(ServiceError):
     status, grpc_code, code = 504, "DEADLINE_EXCEEDED", "timeout"
 
 
+class RequestBodyTimeoutError(ServiceError):
+    """The client did not send its request body in time; the connection is closed after the answer."""
+
+    status, code = 408, "body_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
+
+
 class InsufficientStorageError(ServiceError):
     status, grpc_code, code = 507, "RESOURCE_EXHAUSTED", "insufficient_storage"
+
+
+class StoreNotWritableError(InsufficientStorageError):
+    """The model store is mounted read-only or the server may not write to it."""
+
+    code = "store_not_writable"
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def storage_error(exc: OSError, what: str = "the model") -> InsufficientStorageError | None:
+    """The client-facing error for a failed write to the model store, naming the cause; None when ``exc`` is
+    not a storage condition (a bug or a vanished file: the caller lets it propagate). ``what``: the thing
+    being stored, for the message."""
+    if exc.errno in _NO_SPACE:
+        quota = " (disk quota exceeded)" if exc.errno == errno.EDQUOT else ""
+        return InsufficientStorageError(f"not enough disk space to store {what}{quota}")
+    if exc.errno == errno.EROFS:
+        return StoreNotWritableError("the model store is read-only")
+    if exc.errno in _NOT_WRITABLE:
+        return StoreNotWritableError("the server may not write to the model store (permission denied)")
+    return None
 
 
 class EngineError(ServiceError):

@@ -12,7 +12,8 @@ workers, loaded models the maximum), so a scrape that reaches any worker sees th
 
 Label values are bounded: ``model`` is only ever the name of a model that exists (the protocols pass ""
 when a request named an unknown model), ``endpoint``, ``protocol`` ("rest" or "grpc") and ``outcome`` come
-from fixed sets (route or RPC names and ``ServiceError.code``), so a client cannot grow the series count.
+from fixed sets (route or RPC names and ``ServiceError.code``), so a client cannot grow the series count;
+``reason`` of refused connections is one of ``REFUSAL_REASONS``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+REFUSAL_REASONS = ("header_fields", "head_size", "url_length", "malformed", "head_timeout", "body_timeout")
+"""Why a request or its connection was refused before the application saw it whole (service.server.http_guard,
+service.api.bodies)."""
 
 
 class _Children:
@@ -98,6 +102,12 @@ class Metrics:
             "service_connections_rebalanced", "Kept-alive connections a worker closed because it held more "
             "than its share (several workers; the client reconnects).", registry=r,
         )
+        self.refused = Counter(
+            "service_connections_refused", "Requests refused by the HTTP layer (431, 414, 400 unparsable, 408) and "
+            "then closed, by reason.", ["reason"], registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)  # every series exists from the start, at 0
         self._children = _Children()
         self._labelled = self._children.get
 
@@ -132,6 +142,12 @@ class Metrics:
             self._labelled(self.queue_seconds, model).observe(queue_s)
         if compute_s is not None:
             self._labelled(self.compute_seconds, model).observe(compute_s)
+
+    def refused_connection(self, reason: str) -> None:
+        """Count one refusal; ``reason`` is one of ``REFUSAL_REASONS``."""
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}")
+        self._labelled(self.refused, reason).inc()
 
     def forget_version(self, model: str, version: int) -> None:
         """Drop the per-version series of a deleted model version."""

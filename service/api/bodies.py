@@ -1,16 +1,27 @@
-"""Reading request bodies under a size limit, counted while the bytes arrive.
+"""Reading request bodies under a size limit, counted while the bytes arrive, and under a deadline.
 
 A declared ``Content-Length`` over the limit is refused before reading anything; chunked bodies (no
 length) are cut off as soon as the running count passes the limit. Uploads go straight to a staging
 file chunk by chunk (raw body, or a multipart form parsed by python-multipart's streaming parser), so a
 model of hundreds of MiB never sits in memory and Starlette never spools a copy of it to a temp dir.
+
+Deadline (``timeout_s``: the routes pass ``request_timeout_s``): a body must have arrived ``timeout_s``
+(30 s by default) plus one second per MiB after the handler starts reading it, the MiB counted from its
+``Content-Length``, or from the route's size limit when it is chunked (``body_deadline_s``). A client
+slower than that (a slowloris trickling bytes) gets 408 with ``Connection: close``, its buffers and its
+request slot are freed, and ``service_connections_refused_total{reason="body_timeout"}`` counts it. So a
+600 KB inference body has about 31 s and a 512 MiB upload 542 s: a client must keep up at least 1 MiB/s
+beyond the first 30 s.
+The deadline lives here, not in the HTTP protocol, because only the route knows what it reads (an upload
+may take minutes, an inference body may not); the protocol (``service.server.http_guard``) bounds the
+head, and the body of a request whose handler answered without reading it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -21,8 +32,12 @@ from service.errors import (
     BadRequestError,
     InsufficientStorageError,
     PayloadTooLargeError,
+    RequestBodyTimeoutError,
     UnsupportedMediaTypeError,
+    storage_error,
 )
+
+from .deps import metrics_of
 
 MIB = 1024 * 1024
 WRITE_CHUNK = MIB  # bytes gathered before one (threaded) file write
@@ -31,32 +46,69 @@ MAX_LABELS_FIELD = 512 * 1024  # the multipart ``labels`` field (within MULTIPAR
 TEXT_FIELDS = {"config": MAX_FORM_FIELD, "labels": MAX_LABELS_FIELD}
 """Small text fields an upload form may carry besides ``file``, and their limits in bytes."""
 MULTIPART_OVERHEAD = MIB  # boundaries, part headers and the config field on top of the file limit
+MIN_BODY_RATE = MIB
+"""Bytes per second a body must keep up beyond ``request_timeout_s`` (see the module docstring)."""
 
 
 def _too_large(limit: int, what: str) -> PayloadTooLargeError:
     return PayloadTooLargeError(f"{what} is larger than the limit of {limit // MIB} MiB")
 
 
-def check_declared_length(request: Request, limit: int, what: str) -> None:
-    """Refuse early when the client announces a body over the limit."""
+def check_declared_length(request: Request, limit: int, what: str) -> int | None:
+    """Refuse early when the client announces a body over the limit; returns the declared length."""
     declared = request.headers.get("content-length")
     if declared is None:
-        return
+        return None
     if not declared.strip().isdigit():
         raise BadRequestError("Content-Length must be a non-negative integer")
     if int(declared) > limit:
         raise _too_large(limit, what)
+    return int(declared)
 
 
-async def read_body(request: Request, limit: int, what: str = "request body") -> bytes:
-    """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``."""
+def body_deadline_s(timeout_s: float, declared: int | None, limit: int) -> float:
+    """Seconds a body may take: ``timeout_s`` plus its size (declared, else the limit) at ``MIN_BODY_RATE``."""
+    return timeout_s + (limit if declared is None else declared) / MIN_BODY_RATE
+
+
+async def _chunks(
+    request: Request, declared: int | None, limit: int, what: str, timeout_s: float | None
+) -> AsyncIterator[bytes]:
+    """``request.stream()`` under the body deadline (``RequestBodyTimeoutError`` once it has passed; no
+    deadline when ``timeout_s`` is None)."""
+    stream = request.stream().__aiter__()
+    if timeout_s is None:
+        async for chunk in stream:
+            yield chunk
+        return
+    deadline_s = body_deadline_s(timeout_s, declared, limit)
+    deadline = asyncio.get_running_loop().time() + deadline_s
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            metrics_of(request).refused_connection("body_timeout")
+            raise RequestBodyTimeoutError(
+                f"the {what} did not arrive within {deadline_s:.0f} s (the request deadline plus 1 s per MiB)"
+            ) from None
+        yield chunk
+
+
+async def read_body(
+    request: Request, limit: int, what: str = "request body", *, timeout_s: float | None = None
+) -> bytes:
+    """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``, under
+    the deadline of ``timeout_s``."""
     encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate"):
         raise UnsupportedMediaTypeError(f"Content-Encoding {encoding[:32]!r} is not supported")
-    check_declared_length(request, limit, what)
+    declared = check_declared_length(request, limit, what)
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
+    async for chunk in _chunks(request, declared, limit, what, timeout_s):
         if not chunk:  # Starlette ends every stream with b"": joining it would copy the whole body once more
             continue
         total += len(chunk)
@@ -111,17 +163,23 @@ class _FileSink:
 
 
 def _storage_error(exc: OSError) -> InsufficientStorageError | OSError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientStorageError("not enough disk space to store the upload")
-    return exc
+    return storage_error(exc, "the upload") or exc
 
 
-async def stream_raw_upload(request: Request, dest: Path, limit: int) -> int:
-    """Stream an ``application/octet-stream`` body into ``dest``; returns its size."""
-    check_declared_length(request, limit, "model upload")
-    with dest.open("wb") as fh:
+def _open_staged(dest: Path) -> BinaryIO:
+    try:
+        return dest.open("wb")
+    except OSError as exc:
+        raise _storage_error(exc) from None
+
+
+async def stream_raw_upload(request: Request, dest: Path, limit: int, *, timeout_s: float | None = None) -> int:
+    """Stream an ``application/octet-stream`` body into ``dest`` (under the deadline of ``timeout_s``);
+    returns its size."""
+    declared = check_declared_length(request, limit, "model upload")
+    with _open_staged(dest) as fh:
         sink = _FileSink(fh, limit)
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, declared, limit, "model upload", timeout_s):
             sink.add(chunk)
             await sink.flush()
         await sink.flush(force=True)
@@ -190,29 +248,33 @@ class _FormState:
         self.ended = True
 
 
-async def stream_multipart_upload(request: Request, dest: Path, limit: int) -> str | None:
+async def stream_multipart_upload(
+    request: Request, dest: Path, limit: int, *, timeout_s: float | None = None
+) -> str | None:
     """Stream the ``file`` field of a multipart form into ``dest``; returns the ``config`` field."""
-    return (await stream_multipart_form(request, dest, limit)).get("config")
+    return (await stream_multipart_form(request, dest, limit, timeout_s=timeout_s)).get("config")
 
 
-async def stream_multipart_form(request: Request, dest: Path, limit: int) -> dict[str, str]:
-    """Stream the ``file`` field of a multipart form into ``dest``; returns the text fields given
-    (``TEXT_FIELDS``: ``config``, ``labels``), decoded as UTF-8 (400 for labels that are not; the config's
-    JSON parser names what is wrong with it)."""
+async def stream_multipart_form(
+    request: Request, dest: Path, limit: int, *, timeout_s: float | None = None
+) -> dict[str, str]:
+    """Stream the ``file`` field of a multipart form into ``dest`` (under the deadline of ``timeout_s``);
+    returns the text fields given (``TEXT_FIELDS``: ``config``, ``labels``), decoded as UTF-8 (400 for labels
+    that are not; the config's JSON parser names what is wrong with it)."""
     _, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if not boundary:
         raise BadRequestError("multipart body without a boundary")
     body_limit = limit + MULTIPART_OVERHEAD
-    check_declared_length(request, body_limit, "model upload")
-    with dest.open("wb") as fh:
+    declared = check_declared_length(request, body_limit, "model upload")
+    with _open_staged(dest) as fh:
         state = _FormState(_FileSink(fh, limit))
         try:
             parser = MultipartParser(boundary, state.callbacks(), max_size=body_limit)  # type: ignore[arg-type]
         except Exception:
             raise BadRequestError("invalid multipart boundary") from None
         received = 0
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, declared, body_limit, "model upload", timeout_s):
             received += len(chunk)
             if received > body_limit:
                 raise _too_large(limit, "model upload")

@@ -15,6 +15,7 @@ body byte is read. A classifier's labels come in the config (``postprocess.label
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any
 
 import orjson
@@ -143,11 +144,12 @@ async def upload_model(
         raise UnsupportedMediaTypeError("compressed uploads are not supported")
     model_config = _early_config(config, request.headers.get(CONFIG_HEADER))
     dataplane = dataplane_of(request)
-    limit = settings_of(request).max_upload_mb * MIB
+    settings = settings_of(request)
+    limit, timeout_s = settings.max_upload_mb * MIB, settings.request_timeout_s
     staged = dataplane.new_staging_file()
     try:
         if media == MULTIPART:
-            fields = await stream_multipart_form(request, staged, limit)
+            fields = await stream_multipart_form(request, staged, limit, timeout_s=timeout_s)
             if "config" in fields:
                 if model_config is not None:
                     raise BadRequestError("give the model config once (form field, query or header)")
@@ -155,9 +157,10 @@ async def upload_model(
             if "labels" in fields:
                 model_config = with_labels(model_config or ModelConfig(), fields["labels"])
         else:
-            await stream_raw_upload(request, staged, limit)
+            await stream_raw_upload(request, staged, limit, timeout_s=timeout_s)
     except BaseException:
-        staged.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
+            staged.unlink(missing_ok=True)
         raise
     mv = await dataplane.upload(name, staged, model_config or ModelConfig())
     return json_response(describe_version(mv), status=201)

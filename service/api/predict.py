@@ -21,6 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from service.dataplane import version_number
 from service.errors import BadRequestError, UnsupportedMediaTypeError
 from service.image_requests import check_image_count, max_images, predictions
 from service.registry.version import ModelVersion
@@ -78,7 +79,8 @@ async def predict(
                 f"send application/json, {NPY_MEDIA_TYPE}, an image (image/jpeg, image/png) or {MULTIPART} "
                 f"(parts named 'image'), not {media[:64]!r}"
             )
-        body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        settings = settings_of(request)
+        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s)
         dataplane = dataplane_of(request)
         if is_image_media(media) or media == MULTIPART:
             mv = dataplane.model_for_infer(model, version)
@@ -93,13 +95,15 @@ async def predict(
             doc = loads(body)
             if isinstance(doc, dict) and ("image" in doc or "images" in doc):
                 images = validate(PredictImagesRequest, doc, "predict request")
-                mv = dataplane.model_for_infer(images.model or model, images.version or version)
+                number = version if images.version is None else version_number(images.version)
+                mv = dataplane.model_for_infer(images.model or model, number)
                 texts = [images.image] if images.images is None else images.images
                 check_image_count(mv, len(texts))  # before a byte is base64-decoded
                 parts = [decode_base64(text, index) for index, text in enumerate(texts)]
                 return await _predict_images(request, obs, mv, parts, raw or images.raw)
             req = validate(PredictRequest, doc, "predict request")
-            mv = dataplane.model_for_infer(req.model or model, req.version or version)
+            number = version if req.version is None else version_number(req.version)
+            mv = dataplane.model_for_infer(req.model or model, number)
             inputs = arrays_from_nested(req.inputs, mv.signature)
         obs.resolved(mv)
         await obs.infer(mv, mv.signature.request(inputs))

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from service.dataplane import MAX_VERSION
 from service.registry.acceptance import MODEL_NAME_PATTERN
 
 MAX_RANK = 32  # numpy allows 64; no CNN tensor comes near either
@@ -35,7 +36,10 @@ class PredictRequest(BaseModel):
     model: str | None = Field(
         None, pattern=MODEL_NAME_PATTERN, description="Model name; may be omitted when one model is loaded."
     )
-    version: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Version; default: latest.")
+    version: Any = Field(
+        None, description="Version: a positive integer, as on every route; default: the latest.",
+        json_schema_extra={"type": "integer", "minimum": 1, "maximum": MAX_VERSION},
+    )
     inputs: dict[TensorName, Any] = Field(
         ..., min_length=1, max_length=MAX_TENSORS, description="Input name -> nested list, batch dim first."
     )

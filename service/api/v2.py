@@ -99,7 +99,8 @@ _INFER_ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 415, 503
 async def handle_infer(request: Request, name: str, version: str | None) -> Response:
     """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
     async with Observed(request, "v2_infer") as obs:
-        body = await read_body(request, settings_of(request).max_request_mb * MIB)
+        settings = settings_of(request)
+        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s)
         dataplane = dataplane_of(request)
         mv = dataplane.model_for_infer(name, version)
         obs.resolved(mv)

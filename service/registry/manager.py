@@ -12,19 +12,29 @@ blocks the event loop: optimizing runs in a child process, loading and disk I/O 
 each batcher's engine threads. A model unloaded through the repository extension (``registry.repository``)
 keeps its versions in the table as UNLOADED, without engines, until it is loaded again; a restart keeps it
 so. This package knows no protocol; it raises ``service.errors`` classes.
+
+each batcher's engine threads. This package knows nothing about HTTP; it raises ``service.errors`` classes.
+
+What is served never disagrees with the store: a delete changes the store first and unloads only once the
+version is gone from disk, so a refused write (read-only or full store: a 507 naming the cause) leaves the
+version served; an upload that cannot be rolled back stays listed as FAILED. Writes that only refresh a cache
+(the tuner's engine choice, a metadata migration) are logged when refused and never stop a version serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.errors import (
     ConflictError,
+    InsufficientStorageError,
     NotFoundError,
     OptimizationError,
     ServiceError,
@@ -198,6 +208,8 @@ class ModelManager:
             staged = await asyncio.to_thread(self._build_demo)
             await self.upload(DEMO_MODEL, staged, demo_config())
             log.info("installed the demo model %r", DEMO_MODEL)
+        except ServiceError as exc:  # e.g. a read-only or full store: the server starts without it
+            log.warning("could not install the demo model %r: %s", DEMO_MODEL, exc.message)
         except Exception:
             log.exception("could not install the demo model %r", DEMO_MODEL)
 
@@ -236,15 +248,15 @@ class ModelManager:
                 mv = self._register(name, version, metadata.model_copy(update={"name": name, "version": version}),
                                     effective)
         finally:
-            staged.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
+                staged.unlink(missing_ok=True)
             if out_dir is not None:
                 shutil.rmtree(out_dir, ignore_errors=True)
         try:
             await self._load(mv)
         except BaseException as exc:
-            self.table.remove(mv)
             await mv.shutdown(timeout_s=0)
-            await asyncio.to_thread(self.store.delete_version, name, version)
+            await self._roll_back(mv, exc)
             self.report_loaded()
             if isinstance(exc, ServiceError) or not isinstance(exc, Exception):
                 raise
@@ -253,16 +265,29 @@ class ModelManager:
         self.report_loaded()
         return mv
 
+    async def _roll_back(self, mv: ModelVersion, cause: BaseException) -> None:
+        """Remove an upload that failed to load from the store, then from the table; if the store refuses,
+        the version stays listed as FAILED, as the store still holds it (a restart would try it again)."""
+        try:
+            await asyncio.to_thread(self.store.delete_version, mv.name, mv.version)
+        except (OSError, ServiceError) as exc:
+            log.error("%s v%d failed to load and could not be removed from the store: %s", mv.name, mv.version,
+                      exc.message if isinstance(exc, ServiceError) else exc)
+            mv.fail(cause)
+            return
+        self.table.remove(mv)
+
     async def delete(self, name: str, version: int) -> None:
-        """Stop routing to the version, let its in-flight requests finish, close it, remove it."""
+        """Remove the version from the store, then stop routing to it, let its in-flight requests finish and
+        close it. The store goes first: when it refuses (read-only, permissions), the version still serves."""
         mv = self.table.find(name, version)
         if mv.state is ModelState.UNLOADING:
             raise NotFoundError(f"model {quoted(name)} version {version} is being deleted")
         if mv.state is ModelState.LOADING:
             raise ConflictError(f"model {quoted(name)} version {version} is still loading; retry later")
         async with self.store_lock:
-            await self.unload(mv)
             await asyncio.to_thread(self.store.delete_version, name, version)
+            await self.unload(mv)
 
     async def unload(self, mv: ModelVersion, *, keep_entry: bool = False) -> None:
         """Stop routing to the version, let its in-flight requests finish, close it, forget it (``keep_entry``:
@@ -347,12 +372,15 @@ class ModelManager:
             metadata = VersionMetadata.parse(raw)
             mv = self._register(name, version, metadata, metadata.config.effective(self.settings))
             if raw.get("schema_version") != metadata.schema_version:
-                await asyncio.to_thread(self.store.update_metadata, name, version, _migrated)
+                await self._save_metadata(mv, _migrated, "its migrated metadata")
             if not await asyncio.to_thread(self._cache_valid, mv):
                 await self._reoptimize_once(mv)
             await self._load(mv)
         except Exception as exc:
-            log.exception("model %s version %d failed to load", name, version)
+            if isinstance(exc, ServiceError):
+                log.error("model %s version %d failed to load: %s", name, version, exc.message)
+            else:
+                log.exception("model %s version %d failed to load", name, version)
             if mv is None:
                 mv = self._register(name, version, None, ModelConfig().effective(self.settings))
             mv.fail(exc)
@@ -391,6 +419,13 @@ class ModelManager:
         original = self.store.file_path(mv.name, mv.version, ORIGINAL)
         if await asyncio.to_thread(sha256_file, original) != mv.metadata.original.sha256:
             raise UnprocessableError("the stored original does not match its checksum")
+        try:
+            await self._rewrite_optimized(mv, original)
+        except InsufficientStorageError as exc:  # e.g. a read-only store: the version fails, saying why
+            raise type(exc)(f"its optimized files are out of date and cannot be rewritten: {exc.message}") from exc
+
+    async def _rewrite_optimized(self, mv: ModelVersion, original: Path) -> None:
+        assert mv.metadata is not None
         out_dir = await asyncio.to_thread(self.store.new_staging_dir)
         try:
             outcome = await self._optimize(original, out_dir, mv.config, f"{mv.name} v{mv.version} again")
@@ -418,12 +453,24 @@ class ModelManager:
             before, mv.metadata = mv.metadata, mv.metadata.with_engine(loaded.record)
             if not before.records_engine(loaded.record):
                 record = functools.partial(_with_record, loaded.record, _run_of(before.optimization))
-                await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, record)
+                await self._save_metadata(mv, record, "the engine choice")
             await mv.activate(loaded.engine)
         except BaseException:
             if not mv.has_engine:
                 await asyncio.to_thread(loaded.engine.close)
             raise
+
+    async def _save_metadata(
+        self, mv: ModelVersion, change: Callable[[dict[str, Any]], dict[str, Any] | None], what: str
+    ) -> None:
+        """Change stored metadata that only saves work later (the tuner's choice, a migration), under the store
+        lock (``ModelStore.update_metadata``): a store that refuses the write is logged and the version serves
+        from what is in memory."""
+        try:
+            await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, change)
+        except InsufficientStorageError as exc:
+            log.warning("%s v%d: %s was not saved (%s); it serves, and a later start repeats the work",
+                        mv.name, mv.version, what, exc.message)
 
     def report_loaded(self) -> None:
         if self.metrics is not None:

@@ -21,6 +21,10 @@ two processes never lose each other's changes. Every in-progress entry names its
 it only once that owner is gone (``locks``): a replica that starts never removes another one's work.
 Names are validated and every path is resolved and checked to stay directly under the root.
 A full disk gives ``InsufficientStorageError`` (507) with nothing half-written.
+
+A write the filesystem refuses (full disk, quota, read-only mount, permissions) raises the 507 error that
+``service.errors.storage_error`` names, with nothing half-written; a store that cannot be written is
+still read (listing, loading), and startup's cleanup only logs what it could not remove.
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from service.errors import BadRequestError, InsufficientStorageError, NotFoundError
+from service.errors import BadRequestError, NotFoundError, storage_error
 from service.registry.acceptance import validate_model_name
 from service.registry.locks import Claim, OwnerCheck
 
@@ -58,7 +62,6 @@ _TMP_PREFIX = ".tmp-"
 _TAG_RE = re.compile(r"([0-9a-f]{16})-[0-9a-f]{32}", re.ASCII)
 """``<owner>-<uuid>``: the tag of every in-progress entry (staging entries, temp folders, temp files)."""
 _ARTIFACT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}\.(onnx|json)", re.ASCII)
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -77,13 +80,14 @@ def cache_key(original_sha256: str, optimizer_version: str, fields: dict[str, An
 
 @contextlib.contextmanager
 def _disk_errors() -> Iterator[None]:
-    """ENOSPC / EDQUOT -> InsufficientStorageError; other OSErrors propagate."""
+    """A refused write (no space, quota, read-only, permissions) -> its 507 error; other OSErrors propagate."""
     try:
         yield
     except OSError as exc:
-        if exc.errno in _NO_SPACE:
-            raise InsufficientStorageError("not enough disk space to store the model") from exc
-        raise
+        error = storage_error(exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -129,11 +133,12 @@ def atomic_write(path: Path, data: bytes, *, owner: str = "") -> None:
 
 
 def _remove(path: Path) -> None:
-    """Remove a file, link or folder without ever following a symlink."""
+    """Remove a file, link or folder without ever following a symlink (OSError: what refused it)."""
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(path)
 
 
 class ModelStore:
@@ -144,14 +149,22 @@ class ModelStore:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root.resolve()
         self.staging_dir = self.root / STAGING
-        self.staging_dir.mkdir(exist_ok=True)
         self._lock = threading.Lock()
-        self._claim = Claim(self.root / OWNERS)
-        self.owner = self._claim.owner
+        try:
+            self._ensure_staging()
+        except OSError as exc:  # a read-only store still serves what it holds; uploads will say why they fail
+            log.warning("store: cannot create the staging folder (%s)", exc.strerror or exc)
+        self._claim: Claim | None = None
+        try:
+            self._claim = Claim(self.root / OWNERS)
+        except OSError as exc:  # a read-only store: nothing this process could leave in progress anyway
+            log.warning("store: cannot claim an owner lock (%s)", exc.strerror or exc)
+        self.owner = self._claim.owner if self._claim is not None else uuid.uuid4().hex[:16]
 
     def close(self) -> None:
         """Give up the claim: whatever this store left in progress becomes a leftover for a cleanup."""
-        self._claim.close()
+        if self._claim is not None:
+            self._claim.close()
 
     def _tag(self) -> str:
         return f"{self.owner}-{uuid.uuid4().hex}"
@@ -182,16 +195,21 @@ class ModelStore:
 
     # ------------------------------------------------------------------ staging
 
+    def _ensure_staging(self) -> None:
+        self.staging_dir.mkdir(exist_ok=True)
+
     def new_staging_file(self, suffix: str = ".part") -> Path:
         """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
         path = self.staging_dir / f"{self._tag()}{suffix}"
         with _disk_errors():
+            self._ensure_staging()
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         return path
 
     def new_staging_dir(self) -> Path:
         path = self.staging_dir / f"{self._tag()}.d"
         with _disk_errors():
+            self._ensure_staging()
             path.mkdir(mode=0o700)
         return path
 
@@ -291,11 +309,12 @@ class ModelStore:
         return updated is not None
 
     def delete_version(self, name: str, version: int) -> None:
-        """Remove a version: it disappears in one rename, then its files are deleted."""
+        """Remove a version: it disappears in one rename, then its files are deleted. When the rename is
+        refused (read-only store, permissions) the version is still complete and the error says why."""
         path = self.version_dir(name, version)
         model_dir = path.parent
         trash = model_dir / f"{_TMP_PREFIX}{self._tag()}"
-        with self._locked():
+        with _disk_errors(), self._locked():
             os.rename(path, trash)
             _fsync_dir(model_dir)
         shutil.rmtree(trash, ignore_errors=True)
@@ -369,42 +388,51 @@ class ModelStore:
     def cleanup_leftovers(self) -> int:
         """Remove what processes that are gone left behind: their staging entries, temp folders and files,
         and versions without metadata. Entries of live owners (this one included) stay; entries without an
-        owner tag (a release before tags) go. Safe to run while other processes work. Returns how many
-        entries were removed."""
+        owner tag (a release before tags) go. Safe to run while other processes work. Entries that cannot be
+        removed (a read-only store) stay, invisible as before, and one log line says how many and why.
+        Returns how many entries were removed."""
         check = OwnerCheck(self.root / OWNERS, self.owner)
         try:
-            removed = self._clean_entries(self.staging_dir.iterdir(), check)
+            leftovers = [e for e in (self.staging_dir.iterdir() if self.staging_dir.is_dir() else ())
+                         if _leftover(check, e.name)]
             for model_dir in self.root.iterdir():
                 if not self._is_model_dir(model_dir):
                     continue
                 versions = {str(v) for v in self._version_numbers(model_dir, complete_only=False)}
-                temps = [e for e in model_dir.iterdir() if e.name.startswith(_TMP_PREFIX) or e.name.endswith(".tmp")]
-                removed += self._clean_entries(temps, check)
                 for entry in model_dir.iterdir():
-                    if entry.name in versions:
-                        removed += self._clean_version_dir(entry, check)
+                    if entry.name.startswith(_TMP_PREFIX) or entry.name.endswith(".tmp"):
+                        leftovers += [entry] if _leftover(check, entry.name) else []
+                    elif entry.name in versions:
+                        leftovers += self._version_leftovers(entry, check)
+            removed, failure = 0, None
+            for entry in leftovers:
+                try:
+                    _remove(entry)
+                    removed += 1
+                except OSError as exc:
+                    failure = exc
             reaped = check.reap_lock_files()
         finally:
             check.close()
         if removed or reaped:
             log.info("store: removed %d leftover entries of %d process(es) that are gone", removed, reaped)
+        if failure is not None:
+            error = storage_error(failure)
+            why = error.message if error is not None else (failure.strerror or type(failure).__name__)
+            log.warning("store: could not remove %d leftover entries (%s)", len(leftovers) - removed, why)
         return removed
 
     @staticmethod
-    def _clean_entries(entries: Iterable[Path], check: OwnerCheck) -> int:
-        removed = 0
-        for entry in entries:
-            tag = _TAG_RE.search(entry.name)
-            if tag is None or check.gone(tag.group(1)):
-                _remove(entry)
-                removed += 1
-        return removed
-
-    def _clean_version_dir(self, version_dir: Path, check: OwnerCheck) -> int:
+    def _version_leftovers(version_dir: Path, check: OwnerCheck) -> list[Path]:
         if not (version_dir / METADATA).is_file():
-            _remove(version_dir)
-            return 1
-        return self._clean_entries([e for e in version_dir.iterdir() if e.name.endswith(".tmp")], check)
+            return [version_dir]
+        return [e for e in version_dir.iterdir() if e.name.endswith(".tmp") and _leftover(check, e.name)]
+
+
+def _leftover(check: OwnerCheck, name: str) -> bool:
+    """An in-progress entry whose owner is gone, or one without an owner tag (a release before tags)."""
+    tag = _TAG_RE.search(name)
+    return tag is None or check.gone(tag.group(1))
 
 
 def _dump(data: dict[str, Any]) -> bytes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -27,6 +28,7 @@ from service.api.app import create_app
 from service.api.lifecycle import Lifecycle
 from service.grpc.server import GrpcBindError, GrpcServer
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
+from service.server.http_guard import GuardedConfig
 from service.server.process import configure_process
 from service.server.transport import GatheredWritesProtocol
 from service.settings import ServiceSettings
@@ -84,10 +86,15 @@ class _Server(uvicorn.Server):
                 captured.clear()
 
 
-def uvicorn_config(settings: ServiceSettings, app: object) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
+def uvicorn_config(
+    settings: ServiceSettings, app: object, on_refused: Callable[[str], None] | None = None
+) -> uvicorn.Config:
+    """``on_refused``: counts what the HTTP layer refuses (``service.server.http_guard``), by reason."""
+    return GuardedConfig(
+        app,
+        on_refused=on_refused,
         http=GatheredWritesProtocol,
+        ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP, under the same limits
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -122,7 +129,8 @@ def run_server(
     reserved port). ``balancer``: this worker's share of the kept-alive HTTP connections."""
     served = app if balancer is None else BalanceMiddleware(app, balancer)
     grpc = None if settings.grpc_port is None else GrpcServer(settings, app.state.dataplane, reuse_port=grpc_reuse_port)
-    server = _Server(uvicorn_config(settings, served), app.state.lifecycle, announce=announce, grpc=grpc)
+    config = uvicorn_config(settings, served, on_refused=app.state.metrics.refused_connection)
+    server = _Server(config, app.state.lifecycle, announce=announce, grpc=grpc)
     if balancer is not None:
         balancer.on_close = app.state.metrics.rebalanced.inc
         balancer.bind(lambda: len(server.server_state.connections))

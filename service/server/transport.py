@@ -12,6 +12,9 @@ step. A response written in one step (every ``Response`` of ours: head and body 
 suspending in between) leaves in one system call. Nothing waits for a timer: the gathered writes go out
 before the loop polls the sockets again. ``close`` sends what is gathered first. Flow control is
 uvicorn's own: the real transport pauses the protocol when its buffer fills, as before.
+
+The protocol underneath is ``http_guard``'s: uvicorn's (httptools where installed, else h11) with the
+request-head limits and deadlines.
 """
 
 from __future__ import annotations
@@ -19,10 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-try:  # uvicorn[standard] brings httptools; without it uvicorn uses h11
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Base
-except ImportError:  # pragma: no cover - exercised only where httptools is missing
-    from uvicorn.protocols.http.h11_impl import H11Protocol as _Base
+from service.server.http_guard import GuardedProtocol
 
 
 class GatheredWrites:
@@ -81,8 +81,14 @@ class GatheredWrites:
         return getattr(self._transport, name)
 
 
-class GatheredWritesProtocol(_Base):
-    """uvicorn's HTTP protocol (httptools where installed), writing through ``GatheredWrites``."""
+class Gathering:
+    """Mixin in front of a uvicorn HTTP protocol: its transport is wrapped in ``GatheredWrites``."""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(GatheredWrites(transport, self.loop))  # type: ignore[arg-type]
+    loop: asyncio.AbstractEventLoop
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(GatheredWrites(transport, self.loop))  # type: ignore[arg-type, misc]
+
+
+class GatheredWritesProtocol(Gathering, GuardedProtocol):  # type: ignore[valid-type, misc]
+    """uvicorn's HTTP protocol (httptools where installed), guarded, writing through ``GatheredWrites``."""

@@ -30,10 +30,16 @@ OCTET = "application/octet-stream"
 LISTENING = re.compile(r"listening on (https?://[0-9.]+:(\d+))")
 LISTENING_GRPC = re.compile(r"listening on grpc://([0-9.]+:\d+)")
 GRACE_S = 5.0
+WITHOUT_HTTPTOOLS = (
+    "import runpy, sys; sys.modules['httptools'] = None; "
+    "runpy.run_module('service', run_name='__main__', alter_sys=True)"
+)
+"""``python -c`` program: the server as if httptools were not installed (uvicorn's h11 protocol underneath)."""
 
 
 class Server:
-    """One ``python -m service serve --port 0`` process; ``env`` adds or overrides SERVICE_* variables."""
+    """One ``python -m service serve --port 0`` process; ``env`` adds or overrides SERVICE_* variables;
+    ``parser="h11"`` runs it as if httptools were not installed."""
 
     def __init__(
         self,
@@ -43,6 +49,7 @@ class Server:
         ready_timeout: float = 60.0,
         env: dict[str, str] | None = None,
         verify: ssl.SSLContext | bool = True,
+        parser: str = "httptools",
     ) -> None:
         self.logs = logs
         self.model_dir = model_dir
@@ -62,9 +69,10 @@ class Server:
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_path = logs / "stdout.txt"
         self.stderr_path = logs / "stderr.txt"
+        program = ["-m", "service"] if parser == "httptools" else ["-c", WITHOUT_HTTPTOOLS]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--port", "0", "--model-dir", str(model_dir)],
+                [sys.executable, *program, "serve", "--port", "0", "--model-dir", str(model_dir)],
                 cwd=ROOT,
                 env=full_env,
                 stdout=out,

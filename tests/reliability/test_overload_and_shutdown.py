@@ -171,7 +171,9 @@ def test_sigterm_drains_in_flight_work_and_exits_within_the_grace_period(tmp_pat
             time.sleep(0.02)
         children = parent.children(recursive=True)
         threads[1].start()
-        time.sleep(0.15)
+        while _queue_depth(server.url, "tiny") < 1:  # the request is queued, in its 0.5 s batch window
+            assert time.monotonic() < deadline and "predict" not in late, late
+            time.sleep(0.01)
         assert "predict" not in late  # still waiting in its batch window
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
