@@ -19,8 +19,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 S="$OUT/session"
 mkdir -p "$S"
-pack() { tar czf "$OUT/session.tgz" -C "$OUT" session && rm -rf "$S"; }
+pack() { [ -d "$S" ] && tar czf "$OUT/session.tgz" -C "$OUT" session && rm -rf "$S"; }
 trap pack EXIT
+trap 'pack; exit 143' TERM INT
 run() {  # run NAME TIMEOUT_S COMMAND...: output to $S/NAME.log, its tail to the reply
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s) ==="

@@ -136,7 +136,7 @@ class RequestTimeoutError(ServiceError):
 class RequestBodyTimeoutError(ServiceError):
     """The client did not send its request body in time; the connection is closed after the answer."""
 
-    status, code = 408, "body_timeout"
+    status, grpc_code, code = 408, "DEADLINE_EXCEEDED", "body_timeout"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"Connection": "close"})

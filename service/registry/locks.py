@@ -61,7 +61,8 @@ class Claim:
         for _ in range(_CLAIM_ATTEMPTS):
             owner = uuid.uuid4().hex[:16]
             path = folder / f"{owner}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # read-only: an fd open for writing would keep an admin from remounting the store read-only
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o600)
             if try_lock(fd) and _names_file(path, fd):
                 self.owner, self.path, self._fd = owner, path, fd
                 return
@@ -73,10 +74,12 @@ class Claim:
         return self._fd is not None
 
     def close(self) -> None:
-        """Give the claim up (the lock file goes first, while still locked)."""
+        """Give the claim up (the lock file goes first, while still locked; on a store that refuses the unlink
+        it stays, unlocked, and a later cleanup reaps it)."""
         if self._fd is None:
             return
-        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
 
@@ -102,7 +105,7 @@ class OwnerCheck:
         if owner in self._gone:
             return True
         try:
-            fd = os.open(self.folder / f"{owner}.lock", os.O_RDWR)
+            fd = os.open(self.folder / f"{owner}.lock", os.O_RDONLY)
         except FileNotFoundError:
             self._gone[owner] = None
             return True

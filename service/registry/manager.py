@@ -36,10 +36,10 @@ from service.errors import (
     ConflictError,
     InsufficientStorageError,
     NotFoundError,
-    OptimizationError,
     ServiceError,
     ShuttingDownError,
     UnprocessableError,
+    storage_error,
 )
 from service.imaging.config import Postprocess, Preprocess
 from service.model_config import EffectiveConfig, ModelConfig
@@ -49,20 +49,16 @@ from service.registry.locks import exclusive_async
 from service.registry.metadata import (
     SCHEMA_VERSION,
     OptimizationRecord,
-    OriginalRecord,
-    VariantRecord,
     VersionMetadata,
-    now_iso,
     stored_record,
-    tensor_records,
 )
+from service.registry.optimizing import Optimizations
 from service.registry.repository import is_unloaded
-from service.registry.sandbox import ImageArgs, OptimizeOutcome, OptimizerRunner
-from service.registry.store import ORIGINAL, ModelStore, cache_key, sha256_file
+from service.registry.store import ModelStore
 from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
 from service.registry.version import MetricsSink, ModelState, ModelVersion
-from service.runtime.contract import EngineLoader, EngineOptions, LoadRequest, Signature
+from service.runtime.contract import EngineLoader, EngineOptions, LoadRequest
 from service.runtime.loading import load_in_process
 from service.settings import ServiceSettings
 
@@ -76,8 +72,6 @@ DEMO_DESCRIPTION = (
     "the pipeline: a JPEG or PNG in (resized to 256, centre crop 224, ImageNet normalisation folded into the "
     "first convolution, uint8 on the wire), the top 5 classes out."
 )
-MAX_CONCURRENT_OPTIMIZATIONS = 2
-"""Optimizer children running at once (each may use optimizer_memory_mb); more uploads wait."""
 INPUT_BYTES_FACTOR = 4
 """A request's decoded inputs may take at most this many times ``max_request_mb`` (JSON -> arrays)."""
 
@@ -90,15 +84,6 @@ def demo_config() -> ModelConfig:
         postprocess=Postprocess(labels=tuple(f"class_{i}" for i in range(DEMO_CLASSES))),
         description=DEMO_DESCRIPTION,
     )
-
-
-def image_args(config: EffectiveConfig) -> ImageArgs | None:
-    """What the optimizer child checks and folds for an image model (None: not one)."""
-    labels = config.postprocess.labels if config.postprocess is not None else None
-    if config.preprocess is None and labels is None:
-        return None
-    return ImageArgs(preprocess=None if config.preprocess is None else config.preprocess.model_dump_json(),
-                     label_count=None if labels is None else len(labels))
 
 
 def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
@@ -138,14 +123,15 @@ class ModelManager:
         """Held while this process changes which versions exist (publish + register, unload + remove) and
         while it syncs with the store, so a sync never sees a version half-way."""
         self._engine_loader = engine_loader
-        self._runner = OptimizerRunner(timeout_s=settings.optimizer_timeout_s,
-                                       memory_limit_mb=settings.optimizer_memory_mb)
-        self._optimize_slots = asyncio.Semaphore(MAX_CONCURRENT_OPTIMIZATIONS)
+        self._optimizing = Optimizations(settings, self.store, self.check_accepting)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
         self._started = False
         self.stopping = False
-        self.optimizations = 0
+
+    @property
+    def optimizations(self) -> int:
         """Optimizer runs (child processes) started here: tests check cache reuse with it."""
+        return self._optimizing.count
 
     @property
     def ready(self) -> bool:
@@ -177,7 +163,7 @@ class ModelManager:
     async def stop(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish within ``grace_s``, close every engine."""
         self.stopping = True
-        self._runner.kill_all()
+        self._optimizing.kill_all()
         if self._follower is not None:
             await self._follower.stop()
         everything = list(self.table)
@@ -202,6 +188,10 @@ class ModelManager:
                     await import_models(self, Path(self.settings.model_import_dir))
         except ShuttingDownError:
             return
+        except OSError as exc:  # no lock file on a read-only or full store: nothing could be installed anyway
+            error = storage_error(exc)
+            log.warning("the store was not prepared (demo model, imports): %s",
+                        error.message if error is not None else exc.strerror or exc)
 
     async def _install_demo(self) -> None:
         try:
@@ -238,9 +228,9 @@ class ModelManager:
                 raise ConflictError(f"model {quoted(name)} is unloaded: load it first (repository extension)")
             effective = config.effective(self.settings)
             out_dir = await asyncio.to_thread(self.store.new_staging_dir)
-            outcome = await self._optimize(staged, out_dir, effective, f"the upload of {name}")
+            outcome = await self._optimizing.run(staged, out_dir, effective, f"the upload of {name}")
             self.check_accepting()
-            metadata = await asyncio.to_thread(self._new_metadata, outcome, config, effective)
+            metadata = await asyncio.to_thread(self._optimizing.new_metadata, outcome, config, effective)
             async with self.store_lock:
                 version = await asyncio.to_thread(
                     self.store.add_version, name, staged, files=outcome.files(), metadata=metadata.to_dict()
@@ -304,45 +294,6 @@ class ModelManager:
             if self.metrics is not None:
                 self.metrics.forget_version(mv.name, mv.version)
 
-    # ------------------------------------------------------------------ optimizing
-    async def _optimize(self, source: Path, out_dir: Path, config: EffectiveConfig, what: str) -> OptimizeOutcome:
-        async with self._optimize_slots:
-            self.check_accepting()
-            self.optimizations += 1
-            log.info("optimizing %s", what)
-            try:
-                return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
-                                              image=image_args(config))
-            except OptimizationError:
-                self.check_accepting()  # killed by stop(): say so rather than "crashed"
-                raise
-
-    def _optimization_record(self, outcome: OptimizeOutcome, config: EffectiveConfig) -> OptimizationRecord:
-        """Runs in a thread (hashes the optimized files)."""
-        from service.optimizer import OPTIMIZER_VERSION
-
-        variants = {
-            name: VariantRecord(file=entry["file"], sha256=sha256_file(outcome.out_dir / entry["file"]),
-                                report=entry["report"])
-            for name, entry in outcome.variants.items()
-        }
-        return OptimizationRecord(
-            cache_key=cache_key(outcome.sha256, OPTIMIZER_VERSION, config.graph_fields()),
-            optimizer_version=OPTIMIZER_VERSION, fields=config.graph_fields(), optimized_at=now_iso(),
-            duration_s=round(outcome.duration_s, 3), variants=variants,
-        )
-
-    def _new_metadata(
-        self, outcome: OptimizeOutcome, config: ModelConfig, effective: EffectiveConfig
-    ) -> VersionMetadata:
-        return VersionMetadata(
-            created=now_iso(),
-            original=OriginalRecord(sha256=outcome.sha256, size=outcome.size),
-            **tensor_records(Signature.from_dict(outcome.signature)),
-            config=config,
-            optimization=self._optimization_record(outcome, effective),
-        )
-
     # ------------------------------------------------------------------ loading
     def _register(self, name: str, version: int, metadata: VersionMetadata | None,
                   config: EffectiveConfig) -> ModelVersion:
@@ -373,8 +324,8 @@ class ModelManager:
             mv = self._register(name, version, metadata, metadata.config.effective(self.settings))
             if raw.get("schema_version") != metadata.schema_version:
                 await self._save_metadata(mv, _migrated, "its migrated metadata")
-            if not await asyncio.to_thread(self._cache_valid, mv):
-                await self._reoptimize_once(mv)
+            if not await asyncio.to_thread(self._optimizing.cache_valid, mv):
+                await self._optimizing.refresh(mv)
             await self._load(mv)
         except Exception as exc:
             if isinstance(exc, ServiceError):
@@ -385,58 +336,6 @@ class ModelManager:
                 mv = self._register(name, version, None, ModelConfig().effective(self.settings))
             mv.fail(exc)
             await mv.shutdown(timeout_s=0)
-
-    def _cache_valid(self, mv: ModelVersion) -> bool:
-        """The stored optimized files match the current cache key and their checksums (runs in a thread)."""
-        from service.optimizer import OPTIMIZER_VERSION
-
-        assert mv.metadata is not None
-        optimization = mv.metadata.optimization
-        expected = cache_key(mv.metadata.original.sha256, OPTIMIZER_VERSION, mv.config.graph_fields())
-        if optimization is None or optimization.cache_key != expected or not optimization.variants:
-            log.info("%s v%d: optimized cache is stale (settings or optimizer changed)", mv.name, mv.version)
-            return False
-        for entry in optimization.variants.values():
-            try:
-                if sha256_file(self.store.file_path(mv.name, mv.version, entry.file)) != entry.sha256:
-                    log.warning("%s v%d: %s does not match its checksum", mv.name, mv.version, entry.file)
-                    return False
-            except (OSError, ServiceError):
-                return False
-        return True
-
-    async def _reoptimize_once(self, mv: ModelVersion) -> None:
-        """Optimize a stale version again holding its lock; a process that waited for the lock finds the
-        fresh files another one wrote and reuses them."""
-        async with exclusive_async(self.store.optimize_lock_path(mv.name, mv.version), give_up=self.check_accepting):
-            raw = await asyncio.to_thread(self.store.read_metadata, mv.name, mv.version)
-            mv.metadata = VersionMetadata.parse(raw)
-            if not await asyncio.to_thread(self._cache_valid, mv):
-                await self._reoptimize(mv)
-
-    async def _reoptimize(self, mv: ModelVersion) -> None:
-        assert mv.metadata is not None
-        original = self.store.file_path(mv.name, mv.version, ORIGINAL)
-        if await asyncio.to_thread(sha256_file, original) != mv.metadata.original.sha256:
-            raise UnprocessableError("the stored original does not match its checksum")
-        try:
-            await self._rewrite_optimized(mv, original)
-        except InsufficientStorageError as exc:  # e.g. a read-only store: the version fails, saying why
-            raise type(exc)(f"its optimized files are out of date and cannot be rewritten: {exc.message}") from exc
-
-    async def _rewrite_optimized(self, mv: ModelVersion, original: Path) -> None:
-        assert mv.metadata is not None
-        out_dir = await asyncio.to_thread(self.store.new_staging_dir)
-        try:
-            outcome = await self._optimize(original, out_dir, mv.config, f"{mv.name} v{mv.version} again")
-            record = await asyncio.to_thread(self._optimization_record, outcome, mv.config)
-            for filename, path in outcome.files().items():
-                data = await asyncio.to_thread(path.read_bytes)
-                await asyncio.to_thread(self.store.write_artifact, mv.name, mv.version, filename, data)
-        finally:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        mv.metadata = fresh = mv.metadata.with_optimization(record)
-        await asyncio.to_thread(self.store.update_metadata, mv.name, mv.version, lambda _stored: fresh.to_dict())
 
     async def _load(self, mv: ModelVersion) -> None:
         """Load the engine (the tuner picks a variant; its record is stored), start the batcher, warm."""

@@ -391,6 +391,9 @@ class ModelStore:
         owner tag (a release before tags) go. Safe to run while other processes work. Entries that cannot be
         removed (a read-only store) stay, invisible as before, and one log line says how many and why.
         Returns how many entries were removed."""
+        if self._claim is None:  # a store this process could not claim in: it cannot remove anything either
+            log.warning("store: leftovers not cleaned up (the store refused this process's owner lock)")
+            return 0
         check = OwnerCheck(self.root / OWNERS, self.owner)
         try:
             leftovers = [e for e in (self.staging_dir.iterdir() if self.staging_dir.is_dir() else ())

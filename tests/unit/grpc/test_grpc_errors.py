@@ -18,7 +18,8 @@ def _subclasses(cls: type) -> list[type]:
 
 EXPECTED = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
             409: "FAILED_PRECONDITION", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT",
-            500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED", 507: "RESOURCE_EXHAUSTED"}
+            408: "DEADLINE_EXCEEDED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+            507: "RESOURCE_EXHAUSTED"}
 
 
 @pytest.mark.parametrize("cls", [errors.ServiceError, *_subclasses(errors.ServiceError)], ids=lambda c: c.__name__)
