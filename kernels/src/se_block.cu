@@ -44,12 +44,18 @@ __device__ __forceinline__ float warp_plane_sum(const float* __restrict__ p, int
   return warp_sum(acc);
 }
 
+// Floats of the squeeze kernel's shared means: per_slice rounded up to whole float4s. The compiler may read
+// the means of the FC1 loop four at a time past `count`; the rounding keeps those reads inside the array
+// (compute-sanitizer's memcheck flagged a 12-byte read past an exact-size array when count % 4 == 1), and
+// the padding holds zeros.
+__host__ __device__ __forceinline__ int padded_means(int per_slice) { return (per_slice + 3) & ~3; }
+
 // grid (squeeze_slices, n): means of the slice's channels, then partial[n, slice, j] = sum_c W1[j, c] m[c].
 __global__ void __launch_bounds__(kThreads)
     onnxcnn_se_squeeze_kernel(const float* __restrict__ x, const float* __restrict__ w1,
                               float* __restrict__ partial, int channels, int hw, int reduced, int per_slice,
                               int slices) {
-  extern __shared__ float mean[];  // per_slice
+  extern __shared__ float mean[];  // padded_means(per_slice)
   const int n = blockIdx.y;
   const int c0 = blockIdx.x * per_slice;
   const int count = min(per_slice, channels - c0);
@@ -60,6 +66,7 @@ __global__ void __launch_bounds__(kThreads)
     const float sum = warp_plane_sum(plane, hw, lane);
     if (lane == 0) mean[i] = sum / static_cast<float>(hw);
   }
+  for (int i = max(count, 0) + threadIdx.x; i < padded_means(per_slice); i += kThreads) mean[i] = 0.f;
   __syncthreads();
   float* out = partial + (static_cast<size_t>(n) * slices + blockIdx.x) * reduced;
   for (int j = threadIdx.x; j < reduced; j += kThreads) {
@@ -129,7 +136,8 @@ const char* se_block_cuda(const SeParams& p, const SePlan& plan, const float* x,
   auto stream = static_cast<cudaStream_t>(stream_handle);
   const dim3 block(kThreads);
   const dim3 squeeze_grid(static_cast<unsigned>(plan.squeeze_slices), static_cast<unsigned>(p.n));
-  const size_t squeeze_shared = static_cast<size_t>(plan.channels_per_squeeze) * sizeof(float);
+  const size_t squeeze_shared =
+      static_cast<size_t>(padded_means(static_cast<int>(plan.channels_per_squeeze))) * sizeof(float);
   onnxcnn_se_squeeze_kernel<<<squeeze_grid, block, squeeze_shared, stream>>>(
       x, w1, scratch, static_cast<int>(p.c), static_cast<int>(p.hw), static_cast<int>(p.reduced),
       static_cast<int>(plan.channels_per_squeeze), static_cast<int>(plan.squeeze_slices));

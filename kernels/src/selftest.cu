@@ -5,7 +5,10 @@
 // Each case runs on exactly-sized cudaMalloc buffers (the SE scratch too), so compute-sanitizer sees any
 // access outside them: memcheck, racecheck and initcheck run on this binary in bench/fused_ops.py. Per case:
 // a plain launch, then the launch captured in a CUDA graph, replayed, and replayed again after new input;
-// each result against the CPU kernel (|diff| <= 1e-5 + 1e-4 |cpu|, both float32). Then the time of one
+// each result against the CPU kernel (|diff| <= 1e-5 + 1e-4 |cpu|, both float32). Every copy and memset a
+// case makes is enqueued on the case's stream: that stream is non-blocking, so it is not ordered after the
+// legacy stream's cudaMemcpy/cudaMemset (a pageable cudaMemcpy may return before its DMA lands), and a
+// kernel could read stale input. Then the time of one
 // op inside a CUDA graph of 20 copies (CUDA events over 50 graph launches), i.e. what ORT's graph replays
 // pay per op, without ORT. Output: one line per case, "name batch ratio ok us_per_op".
 #include <cuda_runtime.h>
@@ -88,6 +91,7 @@ bool run_case(const Case& c, std::mt19937& rng, bool time_it) {
   float* dx = device_copy(x);
   float* dy = nullptr;
   CHECK(cudaMalloc(&dy, c.y_size * sizeof(float)));
+  CHECK(cudaDeviceSynchronize());  // device_copy's DMA (legacy stream) before the case's stream reads it
   c.cpu(x.data(), want.data());
   c.enqueue(stream, dx, dy);
   CHECK(cudaGetLastError());
@@ -96,7 +100,7 @@ bool run_case(const Case& c, std::mt19937& rng, bool time_it) {
 
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CHECK(cudaMemset(dy, 0, c.y_size * sizeof(float)));
+  CHECK(cudaMemsetAsync(dy, 0, c.y_size * sizeof(float), stream));
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   c.enqueue(stream, dx, dy);
   CHECK(cudaStreamEndCapture(stream, &graph));
@@ -106,7 +110,7 @@ bool run_case(const Case& c, std::mt19937& rng, bool time_it) {
   const double graph_first = tolerance_ratio(host_copy(dy, c.y_size), want);
   for (auto& v : x) v = v * 0.5f + 0.25f;
   c.cpu(x.data(), want.data());
-  CHECK(cudaMemcpy(dx, x.data(), c.x_size * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpyAsync(dx, x.data(), c.x_size * sizeof(float), cudaMemcpyHostToDevice, stream));
   CHECK(cudaGraphLaunch(exec, stream));
   CHECK(cudaStreamSynchronize(stream));
   const double graph_fresh = tolerance_ratio(host_copy(dy, c.y_size), want);
