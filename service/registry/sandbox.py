@@ -282,6 +282,7 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
 
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
+    from service.optimizer.shapes import output_dims
     from service.registry.acceptance import validate_model
     from service.runtime.contract import Signature
 
@@ -290,7 +291,8 @@ def _job(source: Path, out_dir: Path, *, fused_conv: bool, verify: bool) -> dict
     model = parse_model_bytes(data)
     del data
     validate_model(model)
-    signature = Signature.from_onnx(model)
+    # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1])
+    signature = Signature.from_onnx(model).with_output_dims(output_dims(model))
     variants: dict[str, dict[str, Any]] = {}
     first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify))
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
