@@ -15,7 +15,8 @@ ResNet-50, random weights from seed 0, built in code. Engines, each at batch 1 a
 - ``ovep_f32`` / ``ovep_bf16``: OpenVINO as ORT's plugin EP on our "plain" graph, through
   ``service.runtime.openvino`` (the session the server builds);
 - ``served``: what the server serves: ``service.runtime.tuner.select_variant`` on the CPU (fp32; it times ORT
-  against the OpenVINO EP where the EP serves this CPU), run through ``OrtEngine.run`` with host arrays.
+  against the OpenVINO EP where the EP serves this CPU), run through ``OrtEngine.run`` with host arrays;
+  ``served_bf16``: the same for a model whose config asks for bf16 (only where the EP has bf16 to offer).
 
 Every engine gets the same threads: every core this process may use (``os.sched_getaffinity``), which is
 what the server uses with ``cpu_threads`` 0; the process is pinned to those cores and the server's engine
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +52,8 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 
 MODELS = ("mobilenet_v3_large", "resnet50")
-ENGINES = ("ort_original", "ort_optimized", "ov_f32", "ov_bf16", "ov_f32_ours", "ovep_f32", "ovep_bf16", "served")
+ENGINES = ("ort_original", "ort_optimized", "ov_f32", "ov_bf16", "ov_f32_ours", "ovep_f32", "ovep_bf16", "served",
+           "served_bf16")
 PACKAGES = (*common.DEFAULT_PACKAGES, "openvino", "onnxruntime_ep_openvino")
 Run = Callable[[np.ndarray], np.ndarray]
 
@@ -89,11 +92,11 @@ def ovep_runner(data: bytes, threads: int, precision: str) -> tuple[Run, dict[st
     return (lambda x: session.run(None, {name: x})[0]), {"ep_nodes": ep_nodes(session)}
 
 
-def served_runner(candidates: dict[str, Any], threads: int) -> tuple[Run, dict[str, Any]]:
+def served_runner(candidates: dict[str, Any], threads: int, precision: str) -> tuple[Run, dict[str, Any]]:
     from service.runtime.contract import EngineOptions
     from service.runtime.tuner import select_variant
 
-    engine, record = select_variant(candidates, EngineOptions(device="cpu", cpu_threads=threads), precision="fp32")
+    engine, record = select_variant(candidates, EngineOptions(device="cpu", cpu_threads=threads), precision=precision)
     name = engine.signature.inputs[0].name
     output = engine.signature.outputs[0].name
     info = {"record": record, "describe": {k: v for k, v in engine.describe().items() if k != "ops"}}
@@ -127,7 +130,8 @@ def build_engines(name: str, threads: int, unavailable: dict[str, str], info: di
         "ov_f32_ours": lambda: ov_runner(data["plain"], threads, "f32"),
         "ovep_f32": lambda: ovep_runner(data["plain"], threads, "fp32"),
         "ovep_bf16": lambda: ovep_runner(data["plain"], threads, "bf16"),
-        "served": lambda: served_runner(candidates, threads),
+        "served": lambda: served_runner(candidates, threads, "fp32"),
+        "served_bf16": lambda: served_runner(candidates, threads, "bf16"),
     }
     ov_missing, ep = openvino_unavailable(), status()
     runners: dict[str, Run] = {}
@@ -139,7 +143,7 @@ def build_engines(name: str, threads: int, unavailable: dict[str, str], info: di
         if engine.startswith("ovep_") and not ep.usable:
             unavailable[key] = ep.reason
             continue
-        if engine == "ovep_bf16" and not ep.bf16:
+        if engine in ("ovep_bf16", "served_bf16") and not ep.bf16:
             unavailable[key] = "this CPU has no bf16 instructions (the EP would run f32)"
             continue
         try:
@@ -148,7 +152,8 @@ def build_engines(name: str, threads: int, unavailable: dict[str, str], info: di
             unavailable[key] = f"{type(exc).__name__}: {exc}"[:300]
             continue
         run, extra = made if isinstance(made, tuple) else (made, {})
-        if engine == "ov_bf16" and extra.get("INFERENCE_PRECISION_HINT") != "bf16":
+        compiled = set(re.findall(r"\w+", extra.get("INFERENCE_PRECISION_HINT", "")))
+        if engine == "ov_bf16" and not {"bf16", "bfloat16"} & compiled:
             unavailable[key] = f"compiled as {extra.get('INFERENCE_PRECISION_HINT')}: this CPU has no bf16"
             continue
         runners[engine] = run
