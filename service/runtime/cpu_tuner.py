@@ -14,8 +14,8 @@ Timing: each candidate in a fresh child process (``runtime.child``), like the CU
 (the first always runs): the OpenVINO plugin compiles the uploaded graph with native code that the upload's
 sandbox never ran, and a crash there must cost that candidate, not every model this process serves. A child
 costs about a second to start, on top of its timing at batch 1 and batch 8 (or the largest bucket below);
-candidates are compared by ``timing.score``. A bf16 candidate is first checked against ORT's CPU provider in
-fp32 (``check_bf16``, tolerance in ``runtime.openvino``) and dropped if it fails.
+candidates are compared by ``timing.score``. An OpenVINO candidate is first checked against ORT's CPU provider
+in fp32 (``check_openvino``; the tolerances and why in ``runtime.openvino``) and dropped if it fails.
 
 Which precision is served: "fp32" (and "fp16": ORT's CPU kernels are fp32) the faster fp32 candidate; "bf16"
 the bf16 candidate when it passed its check, else the faster fp32 one; "auto" the fastest of all.
@@ -40,7 +40,7 @@ from service.runtime.child import run_in_child
 from service.runtime.contract import EngineOptions
 from service.runtime.device import cpu_info
 from service.runtime.engine import OrtEngine
-from service.runtime.openvino import BF16_REL_L2_TOLERANCE, OpenVinoStatus, status
+from service.runtime.openvino import REL_L2_TOLERANCE, OpenVinoStatus, status
 from service.runtime.precision import Fp16Check, check_fp16
 from service.runtime.timing import score, time_batch
 
@@ -87,10 +87,12 @@ def load_config(model: onnx.ModelProto, config: CpuConfig, settings: EngineOptio
     return OrtEngine.load(model, settings.replace(device="cpu"), variant=config.key, openvino=openvino)
 
 
-def check_bf16(engine: OrtEngine, reference: OrtEngine, *, batch: int = 2, trials: int = 2) -> Fp16Check:
-    """``engine`` (bf16) against ``reference`` (fp32) on random inputs: precision.check_fp16's rule with the
-    bf16 bound (``runtime.openvino.BF16_REL_L2_TOLERANCE``, why in that module's docstring)."""
-    return check_fp16(engine, reference, batch=batch, trials=trials, rel_l2_tol=BF16_REL_L2_TOLERANCE)
+def check_openvino(
+    engine: OrtEngine, reference: OrtEngine, precision: str, *, batch: int = 2, trials: int = 2
+) -> Fp16Check:
+    """``engine`` (OpenVINO in ``precision``) against ``reference`` (ORT's CPU provider, fp32) on random inputs:
+    precision.check_fp16's rule with the precision's bound (``runtime.openvino.REL_L2_TOLERANCE``)."""
+    return check_fp16(engine, reference, batch=batch, trials=trials, rel_l2_tol=REL_L2_TOLERANCE[precision])
 
 
 def select_cpu(
@@ -163,7 +165,7 @@ def _tune(
             bf16 = next((c.key for c in configs if c.precision == "bf16"), None)
             why = skipped.get(bf16, "not timed") if bf16 else "no bf16 candidate: " + _no_bf16(openvino)
             reason += f"; bf16 not served ({why})"
-    record = _record(config, identity, reason, openvino, timings_ms=timings, skipped=skipped, bf16_checks=checks,
+    record = _record(config, identity, reason, openvino, timings_ms=timings, skipped=skipped, checks=checks,
                      tuned_batches=batches, budget_s=budget_s)
     engine = load_config(candidates[config.variant], config, settings)
     record["elapsed_s"] = round(time.monotonic() - started, 2)
@@ -197,7 +199,7 @@ def _time_all(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[CpuConfig], batches: list[int],
     budget_s: float,
 ) -> tuple[dict[str, dict[str, float]], dict[str, str], dict[str, dict[str, Any]]]:
-    """Each candidate in a fresh child within the budget (the first always runs): timings, skipped, bf16 checks."""
+    """Each candidate in a fresh child within the budget (the first always runs): timings, skipped, checks."""
     deadline = time.monotonic() + budget_s
     timings: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
@@ -227,18 +229,18 @@ def _time_all(
 def _time_child(
     model_data: bytes, settings_data: dict[str, Any], config_data: dict[str, Any], batches: list[int], max_s: float
 ) -> dict[str, Any]:
-    """Child-process body: load one candidate (bf16: check it against fp32 first), time it, close it."""
+    """Child-process body: load one candidate (OpenVINO: check it against ORT's CPU provider first), time it."""
     config = CpuConfig(**config_data)
     settings = EngineOptions.from_dict(settings_data)
     model = onnx.load_from_string(model_data)
     outcome: dict[str, Any] = {}
     with load_config(model, config, settings) as engine:
-        if config.precision == "bf16":
+        if config.provider == OPENVINO_PROVIDER:
             with load_config(model, CpuConfig(config.variant, CPU_PROVIDER), settings) as reference:
-                check = check_bf16(engine, reference)
+                check = check_openvino(engine, reference, config.precision)
             outcome["check"] = check.to_dict()
             if not check.ok:
-                outcome["skipped"] = f"bf16 check failed: {check.reason}"
+                outcome["skipped"] = f"{config.precision} check against ORT's CPU provider failed: {check.reason}"
                 return outcome
         timing = {}
         for batch in batches:

@@ -20,7 +20,7 @@ from engine_models import conv_relu_net
 
 from service.runtime import cpu_tuner, openvino
 from service.runtime.contract import EngineOptions, Signature
-from service.runtime.cpu_tuner import CpuConfig, check_bf16, cpu_configs, select_cpu
+from service.runtime.cpu_tuner import CpuConfig, check_openvino, cpu_configs, select_cpu
 from service.runtime.device import CPU, cpu_info
 from service.runtime.engine import OrtEngine
 from service.runtime.openvino import OPENVINO, OpenVinoStatus, provider_options
@@ -161,7 +161,7 @@ def test_provider_options_set_the_precision_hint_and_threads() -> None:
 
 
 class _Scaled:
-    """An engine whose outputs are a reference's times ``factor`` (what check_bf16 compares)."""
+    """An engine whose outputs are a reference's times ``factor`` (what check_openvino compares)."""
 
     def __init__(self, reference: OrtEngine, factor: float) -> None:
         self.signature: Signature = reference.signature
@@ -171,11 +171,13 @@ class _Scaled:
         return {k: v * self._factor for k, v in self._reference.run(feeds).items()}
 
 
-def test_bf16_check_bound(candidates: dict[str, onnx.ModelProto]) -> None:
+def test_check_bounds(candidates: dict[str, onnx.ModelProto]) -> None:
     with OrtEngine.load(candidates["plain"], SETTINGS) as reference:
-        assert check_bf16(reference, reference).ok
-        assert check_bf16(_Scaled(reference, 1.1), reference).ok  # type: ignore[arg-type]  # 10%: within 0.15
-        failed = check_bf16(_Scaled(reference, 1.2), reference)  # type: ignore[arg-type]
+        assert check_openvino(reference, reference, "fp32").ok
+        assert check_openvino(_Scaled(reference, 1 + 5e-4), reference, "fp32").ok  # type: ignore[arg-type]
+        assert not check_openvino(_Scaled(reference, 1 + 2e-3), reference, "fp32").ok  # type: ignore[arg-type]
+        assert check_openvino(_Scaled(reference, 1.1), reference, "bf16").ok  # type: ignore[arg-type]
+        failed = check_openvino(_Scaled(reference, 1.2), reference, "bf16")  # type: ignore[arg-type]
     assert not failed.ok and "0.15" in failed.reason
 
 
@@ -215,6 +217,26 @@ def test_a_candidate_that_fails_costs_only_itself(
     assert record["choice"]["variant"] == "plain" and "exit code -11" in record["skipped"]["fused/cpu/fp32"]
 
 
+def test_an_openvino_candidate_that_fails_its_check_is_not_served(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    two = [CpuConfig("fused", "cpu"), CpuConfig("plain", "openvino")]
+    monkeypatch.setattr(cpu_tuner, "cpu_configs", lambda *_: two)
+    failed = {"ok": False, "rel_l2": 0.1, "top1_agreement": 1.0, "decided_rows": 0, "reason": "relative L2 error 0.1"}
+
+    def child(fn: Any, args: tuple[Any, ...], *, timeout_s: float) -> Any:
+        if CpuConfig(**args[2]).provider == "openvino":  # faster, but wrong
+            return {"check": failed, "skipped": "fp32 check against ORT's CPU provider failed: relative L2 error 0.1"}
+        return {"timing": {"1": 2.0, "4": 4.0}}
+
+    monkeypatch.setattr(cpu_tuner, "run_in_child", child)
+    engine, record = select_cpu(candidates, SETTINGS, precision="fp32", budget_s=5.0)
+    engine.close()
+    assert record["choice"]["provider"] == "cpu" and engine.provider == CPU
+    assert record["checks"] == {"plain/openvino/fp32": failed}
+    assert "check against ORT" in record["skipped"]["plain/openvino/fp32"]
+
+
 # ------------------------------------------------------------------------------- with the plugin
 needs_openvino = pytest.mark.skipif(not openvino.status().usable, reason=f"no OpenVINO EP: {openvino.status().reason}")
 
@@ -247,6 +269,7 @@ def test_tuner_times_the_cpu_provider_against_openvino_and_reuses_the_choice(
     engine, record = select_variant(candidates, SETTINGS, precision="fp32", budget_s=20.0)
     with engine:
         assert set(record["timings_ms"]) == {"fused/cpu/fp32", "plain/openvino/fp32"}
+        assert record["checks"]["plain/openvino/fp32"]["rel_l2"] < 1e-4  # really f32
         assert record["openvino_ep_version"] == openvino.status().version and record["cpu"] == cpu_info()[0]
         assert engine.provider == (OPENVINO if record["choice"]["provider"] == "openvino" else CPU)
     monkeypatch.setattr(cpu_tuner, "run_in_child", _no_children)
@@ -261,8 +284,8 @@ def test_bf16_is_served_when_asked_and_verified(candidates: dict[str, onnx.Model
     engine, record = select_variant(candidates, SETTINGS, precision="bf16", budget_s=30.0)
     with engine:
         assert record["choice"] == {"variant": "plain", "provider": "openvino", "precision": "bf16"}
-        check = record["bf16_checks"]["plain/openvino/bf16"]
+        check = record["checks"]["plain/openvino/bf16"]
         assert check["ok"] and check["rel_l2"] > 1e-4  # really bf16: f32 differs by ~1e-6
         assert engine.describe()["precision"] == "bf16"
         got, want = engine.run({"x": _x()})["y"], _reference(candidates["plain"], _x())
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < openvino.BF16_REL_L2_TOLERANCE
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < openvino.REL_L2_TOLERANCE["bf16"]
