@@ -107,11 +107,11 @@ def select_cpu(
     openvino = status()
     configs = cpu_configs(candidates, precision, openvino)
     identity = _identity(settings, openvino)
-    cached = _cached(cached_choice, identity, configs)
+    cached = _cached(cached_choice, identity, configs) if len(configs) > 1 else None
     if cached is not None:
         record = {**dict(cached_choice or {}), "reused": True}
         return load_config(candidates[cached.variant], cached, settings), record
-    if len(configs) == 1 or budget_s <= 0:
+    if len(configs) == 1 or budget_s <= 0:  # untimed: a record equal to the stored one (nothing is rewritten)
         config = configs[0]
         why = "FusedConv is ORT's own CPU fusion" if config.variant == "fused" else "no 'fused' candidate"
         reason = f"CPU provider: no timing; '{config.variant}' taken ({why})"

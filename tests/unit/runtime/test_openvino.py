@@ -9,7 +9,9 @@ plugin serves Intel CPUs only) skip elsewhere, saying which of the two is missin
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -66,6 +68,9 @@ def test_without_openvino_the_cpu_provider_serves_fused_untimed(
             np.testing.assert_allclose(engine.run({"x": _x()})["y"], _reference(candidates["plain"], _x()),
                                        rtol=1e-4, atol=1e-5)
     assert "fp16 not used" in record["reason"]
+    again, same = select_variant(candidates, SETTINGS, precision="fp16", cached_choice=record)
+    again.close()
+    assert same == record  # a restart stores nothing new (the registry rewrites metadata only on a change)
 
 
 def test_a_graph_without_a_fused_variant_is_served_as_it_is(
@@ -152,10 +157,10 @@ def test_a_cached_choice_is_reused_only_on_the_same_cpu_versions_and_threads() -
 
 def test_provider_options_set_the_precision_hint_and_threads() -> None:
     for precision, hint in (("fp32", "f32"), ("bf16", "bf16")):
-        options = provider_options(precision, 0)
-        assert json.loads(options["load_config"]) == {"CPU": {"INFERENCE_PRECISION_HINT": hint}}
-        assert "num_of_threads" not in options  # 0: OpenVINO's default, every core
-    assert provider_options("fp32", 3)["num_of_threads"] == "3"
+        options = provider_options(precision, 0)  # 0: OpenVINO's default threads, every core
+        assert options == {"load_config": json.dumps({"CPU": {"INFERENCE_PRECISION_HINT": hint}})}
+    three = json.loads(provider_options("fp32", 3)["load_config"])
+    assert three == {"CPU": {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": "3"}}
     with pytest.raises(ValueError, match="precision"):
         provider_options("fp16", 0)
 
@@ -255,11 +260,20 @@ def test_openvino_engine_runs_fp32_and_says_so(candidates: dict[str, onnx.ModelP
 
 
 @needs_openvino
-def test_openvino_threads_follow_the_settings(candidates: dict[str, onnx.ModelProto]) -> None:
-    with OrtEngine.load(candidates["plain"], SETTINGS.replace(cpu_threads=1), openvino="fp32") as engine:
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every thread count looks alike")
+def test_openvino_threads_follow_the_settings() -> None:
+    """cpu_threads 1: the process computes on one core (CPU time per wall second about 1), not on all."""
+    model = conv_relu_net(channels=32, size=64)
+    x = np.random.default_rng(0).standard_normal((4, 3, 64, 64)).astype(np.float32)
+    with OrtEngine.load(model, SETTINGS.replace(cpu_threads=1), openvino="fp32") as engine:
         assert engine.describe()["intra_op_threads"] == 1
-        np.testing.assert_allclose(engine.run({"x": _x()})["y"], _reference(candidates["plain"], _x()),
-                                   rtol=1e-4, atol=1e-5)
+        engine.run({"x": x})
+        cpu, started = time.process_time(), time.perf_counter()
+        for _ in range(30):
+            engine.run({"x": x})
+        ratio = (time.process_time() - cpu) / (time.perf_counter() - started)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _reference(model, x), rtol=1e-4, atol=1e-5)
+    assert ratio < 1.5, f"CPU time per wall second {ratio:.2f} with cpu_threads=1"
 
 
 @needs_openvino
