@@ -37,9 +37,13 @@ RUN apt-get update \
 WORKDIR /src
 
 # Dependencies first, in their own layer, read from pyproject.toml alone: editing the service's
-# source does not reinstall onnxruntime and friends.
+# source does not reinstall onnxruntime and friends. EXTRAS (comma-separated optional-dependency groups)
+# adds extras: the CPU image (compose service serve-cpu) is built with EXTRAS=openvino, the OpenVINO
+# execution provider plugin (~53 MB wheel, no dependencies) that the CPU tuner times against ORT's CPU
+# provider (it serves Intel CPUs; elsewhere it stays unused).
+ARG EXTRAS=""
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in os.environ.get('EXTRAS', '').split(',') if e]; print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]]))" \
         > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 

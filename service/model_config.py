@@ -36,7 +36,8 @@ class ModelConfig(BaseModel):
     queue_size: QueueSize | None = Field(None, description="Most samples waiting (503 beyond).")
     timeout_s: TimeoutS | None = Field(None, description="Per-request deadline (504).")
     precision: Precision | None = Field(
-        None, description="fp32, fp16 (fp32 inputs/outputs kept), or auto: the engine measures both."
+        None, description="fp32, fp16 (CUDA; fp32 inputs/outputs kept), bf16 (CPU with the OpenVINO EP), or auto: "
+        "the engine measures full and reduced precision."
     )
     buckets: Buckets | None = Field(None, description="Batch-size buckets of the engine.")
     fused_conv: bool | None = Field(None, description="Allow the com.microsoft.FusedConv variant.")

@@ -40,7 +40,7 @@ MaxBatchSize = Annotated[int, Field(ge=1, le=4096)]
 MaxDelayMs = Annotated[float, Field(ge=0.0, le=1000.0)]
 QueueSize = Annotated[int, Field(ge=1, le=1_000_000)]
 TimeoutS = Annotated[float, Field(gt=0.0, le=3600.0)]
-Precision = Literal["fp32", "fp16", "auto"]
+Precision = Literal["fp32", "fp16", "bf16", "auto"]
 Buckets = Annotated[tuple[int, ...], AfterValidator(_valid_buckets)]
 
 
@@ -82,7 +82,8 @@ class ServiceSettings(BaseSettings):
     )
     device_id: int = Field(0, ge=0, description="CUDA device ordinal.")
     precision: Precision = Field(
-        "fp32", description="Default precision of new models: fp32, fp16, or auto (the tuner measures both)."
+        "fp32", description="Default precision of new models: fp32, fp16 (CUDA), bf16 (CPU, OpenVINO EP), or auto "
+        "(the tuner measures full and reduced precision; the reduced one only once it passed its check)."
     )
     max_batch_size: MaxBatchSize = Field(
         64, description="Most samples in one engine call (1: no batching); a model's config may lower it."

@@ -308,6 +308,7 @@ def _job(
     from service.imaging.config import Preprocess
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
+    from service.optimizer.shapes import output_dims
     from service.registry.acceptance import validate_model
     from service.registry.image_config import check_labels, image_normalization
     from service.runtime.contract import Signature
@@ -324,7 +325,10 @@ def _job(
     variants: dict[str, dict[str, Any]] = {}
     first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify,
                                                     input_normalization=normalization))
-    signature = Signature.from_onnx(first)
+    # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
+    # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
+    # computes the same outputs (the optimizer proved it)
+    signature = Signature.from_onnx(first).with_output_dims(output_dims(model))
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
     if not verify:
         _smoke_run(first)

@@ -142,7 +142,9 @@ class ModelVersion:
     async def activate(self, engine: Engine) -> None:
         """Attach a loaded engine, start the batcher, warm the whole path once; then READY."""
         self._engine = engine
-        self.signature = engine.signature.limited(max_batch=self.config.queue_size, max_bytes=self._max_input_bytes)
+        stored = {spec.name: spec.shape for spec in self.metadata.signature.outputs} if self.metadata else {}
+        served = engine.signature.with_output_dims(stored)  # the stored outputs' inferred dims, where none
+        self.signature = served.limited(max_batch=self.config.queue_size, max_bytes=self._max_input_bytes)
         self.max_batch_size = self.signature.samples_per_call(self.config.max_batch_size, engine.max_batch_size)
         config = self.config
         policy = BatchPolicy(self.max_batch_size, config.max_delay_s, config.queue_size, config.timeout_s)

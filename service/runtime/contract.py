@@ -154,6 +154,21 @@ class Signature:
         """The same signature with request limits."""
         return dataclasses.replace(self, max_batch=max_batch, max_bytes=max_bytes)
 
+    def with_output_dims(self, dims: Mapping[str, Sequence[int | None] | None]) -> Signature:
+        """The same signature with each output's dynamic dims filled from ``dims`` (by output name; e.g. what
+        shape inference derives, ``optimizer.shapes.output_dims``). A concrete declared dim is kept, a dim
+        that ``dims`` leaves None stays dynamic, and an entry of another rank (or none) changes nothing."""
+
+        def filled(spec: TensorSpec) -> TensorSpec:
+            known = dims.get(spec.name)
+            if known is None or len(known) != len(spec.shape):
+                return spec
+            shape = tuple(d if d is not None else (k if k is not None and k > 0 else None)
+                          for d, k in zip(spec.shape, known, strict=True))
+            return dataclasses.replace(spec, shape=shape)
+
+        return dataclasses.replace(self, outputs=tuple(filled(spec) for spec in self.outputs))
+
     # -------------------------------------------------------------------------------- properties
     @property
     def input_names(self) -> str:

@@ -202,6 +202,22 @@ def gpu_name(device_id: int = 0) -> str | None:
     return name if ok else None
 
 
+@functools.cache
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
+    """The CPU's model name (e.g. "Intel(R) Xeon(R) Platinum 8480+"; the tuner's record keys on it) and its
+    instruction-set flags, from Linux's ``/proc/cpuinfo``; elsewhere ``platform.processor()`` and no flags."""
+    import platform
+
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown CPU", frozenset()
+    fields = dict(line.split(":", 1) for line in text.split("\n\n", 1)[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name") or fields.get("vendor_id") or platform.machine() or "unknown CPU"
+    return name, frozenset(fields.get("flags", "").split())
+
+
 def resolve_device(options: EngineOptions) -> DeviceChoice:
     """Apply ``options.device`` (auto/cuda/cpu). ``cuda`` without a usable GPU raises EngineError."""
     if options.device == "cpu":

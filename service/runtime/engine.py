@@ -42,6 +42,7 @@ from service.runtime.buckets import (
 )
 from service.runtime.contract import EngineOptions, PageLocker, Signature, TensorSpec, random_feeds
 from service.runtime.device import CUDA, CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime, resolve_device
+from service.runtime.openvino import ep_nodes, openvino_choice, openvino_session
 from service.runtime.sessions import CUDA_INTRA_OP_THREADS, CudaTuning, cpu_session, cuda_session
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class _Variant:
     nodes: int
     ops: tuple[str, ...]
     precision: str
+    ep_nodes: dict[str, int] | None = None
+    """Nodes per execution provider after ORT's partitioning (OpenVINO sessions: what OpenVINO took)."""
 
 
 class OrtEngine:
@@ -130,15 +133,17 @@ class OrtEngine:
         prefer_nhwc: bool | None = None,
         fuse_conv_bias: bool = False,
         variant: str = "default",
+        openvino: str | None = None,
         _io_binding_on_cpu: bool = False,
     ) -> OrtEngine:
         """Build the session, bind every bucket and warm it (capturing its CUDA graphs) before returning.
 
         ``prefer_nhwc`` None: NHWC unless the graph has FusedConv (no NHWC kernel: it adds transposes).
+        ``openvino`` (on the CPU): run the graph on the OpenVINO EP in that precision ("fp32", "bf16").
         ``_io_binding_on_cpu`` is for tests: it runs the CUDA path's binding code on the CPU.
         """
         return load_engine(model, options, prefer_nhwc=prefer_nhwc, fuse_conv_bias=fuse_conv_bias, variant=variant,
-                           io_binding_on_cpu=_io_binding_on_cpu)
+                           openvino=openvino, io_binding_on_cpu=_io_binding_on_cpu)
 
     def _warm(self) -> None:
         """Bind and run every bucket (CUDA: capture its graph and check a replay against a plain run)."""
@@ -376,6 +381,7 @@ class OrtEngine:
             "graph_optimization_level": "ORT_ENABLE_ALL",
             "intra_op_threads": CUDA_INTRA_OP_THREADS if cuda else self._options.cpu_threads or None,
             "nodes": built.nodes,
+            "ep_nodes": built.ep_nodes,
             "ops": list(built.ops),
             **self.signature.to_dict(),
             "load_s": round(self.load_s, 3),
@@ -411,6 +417,7 @@ def load_engine(
     fuse_conv_bias: bool,
     variant: str,
     io_binding_on_cpu: bool,
+    openvino: str | None = None,
 ) -> OrtEngine:
     """``OrtEngine.load``: the device, the session (with CUDA graphs when they work), every bucket warmed."""
     started = time.perf_counter()
@@ -422,9 +429,12 @@ def load_engine(
         nhwc = "FusedConv" not in ops if prefer_nhwc is None else prefer_nhwc
         engine = _load_cuda(proto, data, options, choice, buckets, variant, CudaTuning(nhwc, fuse_conv_bias))
     else:
-        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, _precision(proto))
-        engine = _warmed(cpu_session(data, options), proto, choice=choice, options=options, buckets=buckets,
-                         variant=built, io_binding=io_binding_on_cpu)
+        session = openvino_session(data, options, openvino) if openvino else cpu_session(data, options)
+        choice, nodes = (openvino_choice(choice), ep_nodes(session)) if openvino else (choice, None)
+        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, openvino or _precision(proto),
+                         nodes)
+        engine = _warmed(session, proto, choice=choice, options=options, buckets=buckets, variant=built,
+                         io_binding=io_binding_on_cpu)
     engine.load_s = time.perf_counter() - started
     logger.info("%s", _summary(engine.describe()))
     return engine

@@ -11,35 +11,37 @@ Configurations are compared by the geometric mean of their time ratios over the 
 fp16 is verified against fp32 first (precision.check_fp16) and dropped if it fails. The winner is reloaded with
 every bucket (unless the tuning buckets were already all of them) and the losers are closed. The record (choice,
 timings, GPU name, ORT version) is JSON-able; the store keeps it in the model's metadata, and a later load on the
-same GPU and ORT version passes it back as ``cached_choice`` to skip timing. On the CPU provider nothing is timed:
-"fused" is taken when present (FusedConv is ORT's own CPU fusion, so it never hurts there). The timing helpers
-(``time_batch``, ``time_calls``) live here too: the benchmarks use the tuner's own measure.
+same GPU and ORT version passes it back as ``cached_choice`` to skip timing. On the CPU, ``cpu_tuner`` chooses
+(ORT's CPU provider or the OpenVINO EP). The measure (``time_batch``, ``time_calls``, ``score``) is
+``runtime.timing``'s, re-exported here for the benchmarks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 
 from service.errors import ServiceError, first_line
 from service.runtime.child import run_in_child
 from service.runtime.contract import EngineOptions
+from service.runtime.cpu_tuner import select_cpu
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.split_engine import SplitEngine
+from service.runtime.timing import score as _score
+from service.runtime.timing import time_batch, time_calls
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16")}
+PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16"), "bf16": ("fp32",)}
+"""Precision asked -> precisions timed on CUDA (bf16 is OpenVINO's, on the CPU: cpu_tuner)."""
 _B1_RUNS, _B1_MAX_S = 200, 0.4
 _BIG_RUNS, _BIG_MAX_S = 60, 0.8
 # process start, CUDA context, cuDNN's exhaustive search per new shape: on top of the timing budget
@@ -126,12 +128,6 @@ def _bias_options(model: onnx.ModelProto) -> list[bool]:
     """fuse_conv_bias values to time: off first (the long-measured default), on only where a plain Conv
     carries a bias of its own (FusedConv adds its bias inside cuDNN's fused call already)."""
     return [False] if _has_fused_conv(model) else [False, True]
-
-
-def _score(a: Mapping[str, float], b: Mapping[str, float]) -> float:
-    """Geometric-mean time ratio a/b over the batch sizes both were timed at (< 1: a is faster)."""
-    common = [k for k in a if k in b]
-    return math.exp(sum(math.log(a[k] / b[k]) for k in common) / len(common))
 
 
 @dataclasses.dataclass
@@ -278,19 +274,6 @@ def _load_model(model: onnx.ModelProto, config: Config, settings: EngineOptions)
                           variant=config.key)
 
 
-def _select_cpu(
-    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
-) -> tuple[OrtEngine, dict[str, Any]]:
-    name = "fused" if "fused" in candidates else next(iter(candidates))
-    why = "FusedConv is ORT's own CPU fusion" if name == "fused" else "no 'fused' candidate"
-    reason = f"CPU provider: no timing; '{name}' taken ({why})"
-    if precision != "fp32":
-        reason += "; fp16 not used on CPU (ORT's CPU kernels are fp32)"
-    config = Config(name, None, "fp32")
-    engine = _load(candidates, config, settings)
-    return engine, _record(config, device="cpu", reason=reason)
-
-
 def select_variant(
     candidates: dict[str, onnx.ModelProto],
     settings: EngineOptions,
@@ -309,8 +292,9 @@ def select_variant(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
     choice = resolve_device(settings)
+    budget = settings.tune_budget_s if budget_s is None else budget_s
     if not choice.is_cuda:
-        return _select_cpu(candidates, settings, precision)
+        return select_cpu(candidates, settings, precision=precision, budget_s=budget, cached_choice=cached_choice)
     device = gpu_name(settings.device_id) or f"cuda:{settings.device_id}"
     configs = _configs(candidates, settings, precision)
     reusable, cached = _first_cached([cached_choice, *cached_records], device, configs)
@@ -319,7 +303,6 @@ def select_variant(
         record = dict(reusable or {})
         record["reused"] = True
         return _with_cached_split(engine, candidates, settings, configs, record), record
-    budget = settings.tune_budget_s if budget_s is None else budget_s
     if budget <= 0:
         # Still loaded and replayed in a child first: a configuration that crashes the CUDA context
         # (fp16 MobileNetV3 on ORT 1.31.1) must not take the serving process down with it.
@@ -436,22 +419,4 @@ def _short_error(exc: BaseException) -> str:
     return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
 
 
-# ------------------------------------------------------------------------------------------- timing
-def time_batch(engine: OrtEngine | SplitEngine, batch: int, *, runs: int = 100, max_s: float = 1.0,
-               warmup: int = 3) -> float:
-    """Median milliseconds of ``engine.replay(batch)`` (no host copies) over up to ``runs`` runs in ``max_s``."""
-    engine.fill(batch)
-    return float(np.median(time_calls(lambda: engine.replay(batch), runs=runs, max_s=max_s, warmup=warmup)))
-
-
-def time_calls(fn: Callable[[], object], *, runs: int, max_s: float, warmup: int = 3) -> list[float]:
-    """Milliseconds of ``fn()`` after ``warmup`` calls: up to ``runs`` calls, at least 5, within ``max_s``."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    deadline = time.perf_counter() + max_s
-    while len(times) < runs and (len(times) < 5 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+__all__ = ["Config", "select_variant", "time_batch", "time_calls"]

@@ -157,10 +157,11 @@ def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, 
     engine, record = select_variant(candidates, EngineOptions(buckets=(1, 2)), precision="auto")
     try:
         assert engine.provider == "CPUExecutionProvider"
-        assert record["choice"] == {"variant": "fused", "prefer_nhwc": None, "precision": "fp32",
-                                    "fuse_conv_bias": None, "cuda_graph": True}
-        assert record["timings_ms"] == {}
-        assert "CPU" in record["reason"] and "fp16 not used" in record["reason"]
+        # no CUDA-only fields (cuda_graph, prefer_nhwc) in a CPU record
+        assert record["choice"]["variant"] == "fused" and record["choice"]["precision"] == "fp32"
+        assert record["choice"]["provider"] in {"cpu", "openvino"}
+        assert "cuda_graph" not in record["choice"] and "prefer_nhwc" not in record["choice"]
+        assert "fp16 not used" in record["reason"]
         x = np.random.default_rng(0).standard_normal((2, 3, 8, 8)).astype(np.float32)
         plain = ort.InferenceSession(candidates["plain"].SerializeToString(), providers=[engine.provider])
         expected = plain.run(None, {"x": x})[0]
