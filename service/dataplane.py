@@ -35,6 +35,7 @@ from service.errors import (
     printable,
 )
 from service.image_requests import ImageDecoder
+from service.imaging.config import MAX_TOP_K
 from service.model_config import ModelConfig
 from service.registry.acceptance import validate_model_name
 from service.registry.manager import ModelManager
@@ -361,9 +362,20 @@ def refuse_shared_memory(params: Iterable[str], where: str) -> None:
         raise BadRequestError(f"{where}: the shared-memory extension is not supported")
 
 
-def refuse_classification(params: Mapping[str, Any], where: str) -> None:
-    if params.get("classification"):
-        raise BadRequestError(f"{where}: the classification extension is not supported")
+def class_count(value: Any, where: str) -> int:
+    """The k of the classification extension (``parameters: {"classification": k}`` on a requested output,
+    tritonclient's ``class_count``): an integer from 1 to ``MAX_TOP_K``, or a 400 naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
+        raise BadRequestError(f"{where} must be an integer from 1 to {MAX_TOP_K}")
+    return value
+
+
+def classified(mv: ModelVersion, outputs: Mapping[str, np.ndarray], classes: Mapping[str, int]
+               ) -> dict[str, np.ndarray]:
+    """``outputs`` with each one named in ``classes`` replaced by its top-k ``"score:index[:label]"`` strings
+    (``image_requests.classification``: a BYTES tensor, an object array of bytes); the others as they are."""
+    return {name: image_requests.classification(mv, name, scores, classes[name]) if name in classes else scores
+            for name, scores in outputs.items()}
 
 
 def requested_output(name: str, known: Iterable[str], seen: Iterable[str]) -> None:

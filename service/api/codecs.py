@@ -20,10 +20,9 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from service.dataplane import refuse_shared_memory, requested_output, v2_dtype
+from service.dataplane import class_count, refuse_shared_memory, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, first_line
 from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
-from service.imaging.config import MAX_TOP_K
 from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
 
 from .images import decode_base64
@@ -279,15 +278,9 @@ def _requested_outputs(
         params = out.parameters or {}
         refuse_shared_memory(params, f"outputs[{i}]")
         if "classification" in params:
-            classes[out.name] = _class_count(params["classification"], f"outputs[{i}].parameters.classification")
+            classes[out.name] = class_count(params["classification"], f"outputs[{i}].parameters.classification")
         binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
     return list(binary), binary, classes
-
-
-def _class_count(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
-        raise BadRequestError(f"{where} must be an integer from 1 to {MAX_TOP_K}")
-    return value
 
 
 def _bool_param(params: Mapping[str, Any], key: str, default: bool, where: str) -> bool:

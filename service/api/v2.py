@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.image_requests import classification, image_input_name
+from service.dataplane import classified
+from service.image_requests import image_input_name
 
 from .bodies import MIB, read_body
 from .codecs import decode_v2_request, encode_v2_response, json_response
@@ -112,8 +113,7 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
         await obs.infer(mv, checked)
         outputs = obs.result.outputs
         if decoded.classification:
-            outputs = {out: classification(mv, out, scores, decoded.classification[out])
-                       if out in decoded.classification else scores for out, scores in outputs.items()}  # fmt: skip
+            outputs = classified(mv, outputs, decoded.classification)
         content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, outputs, decoded.binary)
     if json_length is None:
         return Response(content, media_type="application/json")

@@ -7,10 +7,17 @@ Inputs are checked as the REST V2 decoder checks them (``service.api.codecs``), 
 stays bounded by the (size-limited) message. ``raw_input_contents`` must then be used for every input or
 for none. Outputs always travel as ``raw_output_contents`` (little-endian), as Triton sends them and
 ``tritonclient.grpc`` reads them.
+
+An image model's image input may instead come as a BYTES tensor ``[N]`` / ``[N, 1]`` of encoded JPEG/PNG
+images (raw: KServe's length-prefixed serialization, as ``tritonclient`` sends BYTES; typed:
+``contents.bytes_contents``); those are returned still encoded, for the dataplane to decode off the event
+loop. A requested output may ask for the classification extension (``parameters {"classification": k}``):
+it is answered as a BYTES tensor of ``"score:index[:label]"`` strings, as on REST.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -19,8 +26,9 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from service.dataplane import refuse_classification, refuse_shared_memory, requested_output, v2_dtype
+from service.dataplane import class_count, refuse_shared_memory, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, printable
+from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
 from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
 
 from .messages import config_pb, pb
@@ -45,8 +53,21 @@ _CONTENTS: dict[str, tuple[str, np.dtype]] = {
 
 
 # ------------------------------------------------------------------ inference
-def decode_infer(message: Any, signature: Signature) -> InferenceRequest:
-    """A ``ModelInferRequest`` checked against ``signature`` (400s that name the offending tensor)."""
+@dataclasses.dataclass(frozen=True)
+class DecodedInfer:
+    """A decoded ``ModelInferRequest``: the checked ``request``, or (an image model sent encoded images)
+    None and the ``images`` still to decode with the requested ``outputs``; ``classification``: output
+    name -> k of those that asked for the classification extension."""
+
+    request: InferenceRequest | None
+    images: list[bytes] | None = None
+    outputs: list[str] | None = None
+    classification: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def decode_infer(message: Any, signature: Signature, images_for: str | None = None) -> DecodedInfer:
+    """A ``ModelInferRequest`` checked against ``signature`` (400s that name the offending tensor).
+    ``images_for``: the image input of an image model, which may also come as encoded images (BYTES)."""
     tensors = message.inputs
     if not tensors:
         raise InvalidInputError("the request has no inputs")
@@ -58,22 +79,41 @@ def decode_infer(message: Any, signature: Signature) -> InferenceRequest:
                               "input raw, or none")
     arrays: dict[str, np.ndarray] = {}
     batches: dict[str, int] = {}
+    images: list[bytes] | None = None
     for i, tensor in enumerate(tensors):
         name = _name(tensor.name, f"inputs[{i}]")
-        if name in arrays:
+        if name in arrays or (images is not None and name == images_for):
             raise InvalidInputError(f"input {name!r} given twice")
-        dtype = v2_dtype(name, tensor.datatype)
         refuse_shared_memory(tensor.parameters.keys(), f"inputs[{i}]")
+        if raw and tensor.HasField("contents"):
+            raise InvalidInputError(f"input {name!r}: give contents or raw_input_contents, not both")
+        if tensor.datatype == "BYTES" and images_for is not None and name == images_for:
+            images = _images(name, list(tensor.shape), raw[i] if raw else None, tensor)
+            continue
+        dtype = v2_dtype(name, tensor.datatype)
         shape = list(tensor.shape)
         batches[name] = signature.check_tensor(name, dtype, shape)
         count = math.prod(shape)
         if raw:
-            if tensor.HasField("contents"):
-                raise InvalidInputError(f"input {name!r}: give contents or raw_input_contents, not both")
             arrays[name] = _raw_tensor(name, shape, dtype, count, raw[i], i)
         else:
             arrays[name] = _typed_tensor(name, shape, dtype, count, tensor)
-    return signature.complete(arrays, batches, _requested_outputs(message, signature))
+    outputs, classes = _requested_outputs(message, signature)
+    if images is not None:
+        return DecodedInfer(None, images, outputs, classes)
+    return DecodedInfer(signature.complete(arrays, batches, outputs), outputs=outputs, classification=classes)
+
+
+def _images(name: str, shape: list[int], raw: bytes | None, tensor: Any) -> list[bytes]:
+    """The encoded images of a BYTES tensor (the count checked before any element is read)."""
+    count = image_tensor_count(name, shape)
+    if raw is not None:
+        return bytes_elements(raw, count, name)
+    elements = tensor.contents.bytes_contents
+    if len(elements) != count:
+        raise InvalidInputError(f"input {name!r}: shape {shape} needs {count} images, contents.bytes_contents "
+                                f"has {len(elements)}")  # fmt: skip
+    return list(elements)
 
 
 def _name(name: str, where: str) -> str:
@@ -111,18 +151,22 @@ def _typed_tensor(name: str, shape: list[int], dtype: np.dtype, count: int, tens
     return arr.reshape(shape)
 
 
-def _requested_outputs(message: Any, signature: Signature) -> list[str] | None:
+def _requested_outputs(message: Any, signature: Signature) -> tuple[list[str] | None, dict[str, int]]:
+    """The requested output names (None: all) and the classification extension's k of those asking for it."""
     if not message.outputs:
-        return None
+        return None, {}
     known = [spec.name for spec in signature.outputs]
     names: list[str] = []
+    classes: dict[str, int] = {}
     for i, output in enumerate(message.outputs):
         requested_output(output.name, known, names)
         params = output.parameters
         refuse_shared_memory(params.keys(), f"outputs[{i}]")
-        refuse_classification({k: _parameter(v) for k, v in params.items()}, f"outputs[{i}]")
+        if "classification" in params:
+            classes[output.name] = class_count(_parameter(params["classification"]),
+                                               f"outputs[{i}].parameters.classification")
         names.append(output.name)
-    return names
+    return names, classes
 
 
 def _parameter(value: Any) -> Any:
@@ -137,11 +181,16 @@ def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def encode_infer(model: str, version: int, request_id: str, outputs: Mapping[str, np.ndarray]) -> Any:
-    """A ``ModelInferResponse`` with every output in ``raw_output_contents``."""
+    """A ``ModelInferResponse`` with every output in ``raw_output_contents`` (an object array of bytes, the
+    classification extension's strings, as a serialized BYTES tensor)."""
     response = pb.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
     tensors = response.outputs
     raws = response.raw_output_contents
     for name, raw in outputs.items():
+        if raw.dtype == object:
+            tensors.add(name=name, datatype="BYTES", shape=raw.shape)
+            raws.append(serialize_bytes(list(raw.reshape(-1))))
+            continue
         arr = raw if raw.dtype.isnative else raw.astype(raw.dtype.newbyteorder("="))
         datatype = NUMPY_TO_KSERVE.get(arr.dtype)
         if datatype is None:  # ONNX types outside the V2 set are refused at model load; be safe anyway

@@ -25,8 +25,9 @@ from typing import Any
 
 import grpc
 
-from service.dataplane import DataPlane, not_supported
+from service.dataplane import DataPlane, classified, not_supported
 from service.errors import ModelNotReadyError, NotFoundError, ServiceError
+from service.image_requests import image_input_name
 
 from . import codecs
 from .errors import abort, message_of
@@ -111,11 +112,18 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             mv = dataplane.model_for_infer(request.model_name, _version(request.model_version))
             trace.resolved(mv)
-            checked = codecs.decode_infer(request, mv.signature)
+            decoded = codecs.decode_infer(request, mv.signature, image_input_name(mv))
+            checked = decoded.request
+            if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
+                assert decoded.images is not None
+                checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
             trace.submitting(checked)
             result = await dataplane.infer(mv, checked, alone=dataplane.inflight.alone())
             trace.done(result)
-            response = codecs.encode_infer(mv.name, mv.version, request.id, result.outputs)
+            outputs = result.outputs
+            if decoded.classification:
+                outputs = classified(mv, outputs, decoded.classification)
+            response = codecs.encode_infer(mv.name, mv.version, request.id, outputs)
             outcome = "success"
             return response
         except ServiceError as exc:
