@@ -14,7 +14,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel" onnxscript || echo "torch not installed: exporter tests will be skipped" >&2
   fi
 fi
-.venv/bin/ruff check service tests bench loadtests kernels || exit 1
+.venv/bin/ruff check service tests bench loadtests kernels scripts || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -68,7 +68,8 @@ def test_typed_bytes_contents_are_accepted(live: ThreadedServer) -> None:
 
 def test_the_classification_extension_matches_the_reference_and_rest(live: ThreadedServer) -> None:
     client = grpcclient.InferenceServerClient(live.grpc_target)
-    result = client.infer("cls", [image_input(JPEGS)], outputs=[grpcclient.InferRequestedOutput("logits", class_count=3)])
+    top3 = grpcclient.InferRequestedOutput("logits", class_count=3)
+    result = client.infer("cls", [image_input(JPEGS)], outputs=[top3])
     rows = result.as_numpy("logits")
     (out,) = result.get_response(as_json=True)["outputs"]
     assert (out["datatype"], [int(d) for d in out["shape"]]) == ("BYTES", [2, 3])
