@@ -73,21 +73,25 @@ def _exercised_text() -> str:
     return metrics.render()[0].decode() + generate_latest(engine.registry).decode()
 
 
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def _series_names(family: Any) -> set[str]:
+    """The names Prometheus stores a family's series under (from its samples, or its type when it has none)."""
+    if family.samples:
+        return {s.name for s in family.samples}
+    return {family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",))}
+
+
 @pytest.fixture(scope="module")
 def exported() -> dict[str, Series]:
     """Series name -> its family, kind and labels (target labels included), as Prometheus stores them."""
     out: dict[str, Series] = {}
     for family in text_string_to_metric_families(_exercised_text()):
-        monotonic = family.type in ("counter", "histogram")
-        names = {s.name for s in family.samples}
-        if not family.samples:  # a labelled family nobody recorded: its series names, labels unknown
-            names = {family.name + "_total"} if family.type == "counter" else {family.name}
-            if family.type == "histogram":
-                names = {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
-        for name in names:
+        for name in _series_names(family):
             labels = {k for s in family.samples if s.name == name for k in s.labels}
-            out[name] = Series(family.name, monotonic and not name.endswith("_created"),
-                               frozenset(labels) | TARGET_LABELS if family.samples else None)
+            monotonic = family.type in _SUFFIXES and not name.endswith("_created")
+            out[name] = Series(family.name, monotonic, frozenset(labels) | TARGET_LABELS if family.samples else None)
     for name, labels in SCRAPE_SERIES.items():
         out[name] = Series(name, False, labels)
     return out
