@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
 #   bench/gpu_session.sh PART [PART...]
-# PART: check | tests | candidates | sanitize | fused | coldwarm | coldfresh | engine | service | all
+# PART: check | tests | fused | coldwarm | coldfresh | engine | service | all
 #   check       nvidia-smi, versions, httptools
 #   tests       pytest tests/gpu
-#   candidates  bench/cuda_candidate.py over layouts x cuDNN searches x graphs (which tuner candidates fault)
-#   sanitize    compute-sanitizer memcheck on the candidate that faults (CANDIDATE, default "--layout nchw")
 #   fused       bench/fused_ops.py (the fused CUDA operators: build, check, model timing; FUSED_PHASES)
 #   coldwarm    bench/coldstart.py --store warm (COLD_RUNS, COLD_PARALLEL)
 #   coldfresh   bench/coldstart.py --store fresh (COLD_RUNS, COLD_PARALLEL, COLD_ENV: extra SERVICE_X=Y)
@@ -37,15 +35,6 @@ for part in "${@:-all}"; do
         2>&1 | tee -a "$S/gpu.txt" ;;&
     tests|all)
       run gpu-tests "${TESTS_TIMEOUT_S:-150}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
-    candidates|all)
-      for c in "nchw EXHAUSTIVE 1" "nchw HEURISTIC 1" "nhwc EXHAUSTIVE 1" "nchw EXHAUSTIVE 0"; do
-        set -- $c
-        run "candidate-$1-$2-graph$3" "${CANDIDATE_TIMEOUT_S:-60}" \
-          python3 bench/cuda_candidate.py --layout "$1" --search "$2" --graph "$3" --runs 200
-      done ;;&
-    sanitize|all)
-      run sanitize "${SANITIZE_TIMEOUT_S:-170}" compute-sanitizer --tool memcheck --print-limit 12 \
-        python3 bench/cuda_candidate.py ${CANDIDATE:---layout nchw} --runs 3 ;;&
     fused|all)
       run fused-ops "${FUSED_TIMEOUT_S:-340}" python3 bench/fused_ops.py --deadline-s "${FUSED_DEADLINE_S:-300}" \
         --phases "${FUSED_PHASES:-build,check,model}" --out "$S/fused-ops.json" ;;&
@@ -63,7 +52,7 @@ for part in "${@:-all}"; do
       run service "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
         --servers "${SERVERS:-client_ceiling,service,service_workers}" --workers "${WORKERS:-4}" \
         --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$S/service-cuda.json" ;;&
-    check|tests|candidates|sanitize|fused|coldwarm|coldfresh|engine|service|all) ;;
+    check|tests|fused|coldwarm|coldfresh|engine|service|all) ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done
