@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 # a dated result file name: <name>-YYYY-MM-DD[-label].json|log
 NAME = re.compile(r"\b[a-z0-9]+(?:-[a-z0-9]+)*-20\d\d-\d\d-\d\d(?:-[a-z0-9]+)*\.(?:json|log)\b")
-SCOPE = ("docs/**/*.md", "bench/*.md", "bench/*.py", "bench/*.sh", "service/**/*.py", "kernels/**/*.md",
+SCOPE = ("README.md", "loadtests/*.md", "docs/**/*.md", "bench/*.md", "bench/*.py", "bench/*.sh", "service/**/*.py", "kernels/**/*.md",
          "kernels/**/*.py", "docker/**/*.yaml", "docker/**/*.yml")
 
 
