@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 ENV_PREFIX = "SERVICE_"
 MAX_BUCKETS = 16
@@ -136,8 +139,11 @@ class ServiceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServiceSettings:
+        """Both or neither, and a pair that loads: a server must not fail on its certificate after starting."""
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
+            raise ValueError(f"set both {ENV_PREFIX}TLS_CERT_FILE and {ENV_PREFIX}TLS_KEY_FILE, or neither")
+        if self.tls_cert_file is not None and self.tls_key_file is not None:
+            _check_tls_pair(self.tls_cert_file, self.tls_key_file)
         return self
 
     @field_validator("host")
@@ -159,6 +165,19 @@ class ServiceSettings(BaseSettings):
         if len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters")
         return value
+
+
+def _check_tls_pair(cert: Path, key: Path) -> None:
+    """ValueError naming both variables when the certificate chain and key do not load (never their paths)."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        why = "not a PEM certificate chain and its private key" + (f" ({exc.reason})" if exc.reason else "")
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+    else:
+        return
+    raise ValueError(f"{ENV_PREFIX}TLS_CERT_FILE, {ENV_PREFIX}TLS_KEY_FILE: cannot load them: {why}")
 
 
 ADVANCED = tuple(
@@ -230,6 +249,15 @@ def load_settings(**overrides: Any) -> ServiceSettings:
         return ServiceSettings(**overrides)
     except ValidationError as exc:
         raise SettingsError(describe_errors(exc)) from None
+    except SourceError as exc:  # a list or other JSON value that is not JSON
+        raise SettingsError(describe_source_error(exc)) from None
+
+
+def describe_source_error(exc: SourceError) -> str:
+    """``SERVICE_X: not valid JSON ...`` for a variable pydantic-settings could not parse (without the value)."""
+    field = re.search(r'field "(\w+)"', str(exc))
+    name = f"{ENV_PREFIX}{field.group(1).upper()}" if field else "a SERVICE_ variable"
+    return f"{name}: not valid JSON (a list is written [1, 2, 4])"
 
 
 def describe_errors(exc: ValidationError) -> str:

@@ -21,6 +21,7 @@ from service.registry.manager import ModelManager
 from service.settings import ServiceSettings
 
 from . import extensions, health, management, metrics_route, predict, v2
+from .docs import install_docs
 from .errors import install_error_handlers
 from .fast_path import InferFastPath
 from .lifecycle import Lifecycle, lifespan
@@ -70,7 +71,8 @@ def create_app(
     if manager is None:
         manager = ModelManager(settings, metrics=metrics)
     dataplane = DataPlane(manager, metrics)
-    app = ServiceApp(title="onnx-cnn-serve", version=server_version(), description=DESCRIPTION, lifespan=lifespan)
+    app = ServiceApp(title="onnx-cnn-serve", version=server_version(), description=DESCRIPTION, lifespan=lifespan,
+                     docs_url=None, redoc_url=None)  # install_docs serves both pages without a CDN
     app.state.settings = settings
     app.state.manager = manager
     app.state.dataplane = dataplane
@@ -81,6 +83,7 @@ def create_app(
     for module in (health, predict, extensions, v2, management, metrics_route):  # extensions first: /v2/models/stats
         app.include_router(module.router)
     _document_bodies(app)
+    install_docs(app)
     return app
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 
 from service.dataplane import DataPlane
+from service.registry.version import ModelState
 
 log = logging.getLogger("service.api")
 
@@ -57,12 +58,19 @@ class Lifecycle:
         except Exception as exc:  # keep serving liveness; readiness says why it is false
             self.dataplane.start_failed = type(exc).__name__
             log.exception("the model manager failed to start")
-        else:
-            names = manager.table.names()
-            log.info("ready: %d model(s) served%s", len(names), f" ({', '.join(names)})" if names else "")
         finally:
             if self.on_started is not None:
                 self.on_started()
+
+    def served(self) -> str:
+        """What this app serves, for the server's "ready" line: ``N model(s) served (a, b)``, then the versions
+        that are not served and their state (a version that failed to load, an unloaded one)."""
+        versions = list(self.dataplane.manager.table)
+        ready = sorted({mv.name for mv in versions if mv.state is ModelState.READY})
+        text = f"{len(ready)} model(s) served" + (f" ({_listed(ready)})" if ready else "")
+        others = [f"{mv.name} v{mv.version} {mv.state.value.lower()}" for mv in versions
+                  if mv.state is not ModelState.READY]
+        return text + (f"; not served: {_listed(others)}" if others else "")
 
     def drain_before_stop(self, drained: Awaitable[None]) -> None:
         """Stop the models only after ``drained`` (another listener's in-flight calls) has finished."""
@@ -74,6 +82,10 @@ class Lifecycle:
             await asyncio.shield(self.start_task)
         if self.dataplane.start_failed is not None:
             raise RuntimeError(f"startup failed: {self.dataplane.start_failed}")
+
+
+def _listed(items: list[str], limit: int = 10) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ body byte is read. A classifier's labels come in the config (``postprocess.label
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Annotated, Any
 
 import orjson
@@ -24,9 +25,17 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from service.dataplane import check_name, describe_version, version_summaries
-from service.errors import BadRequestError, NotFoundError, UnprocessableError, UnsupportedMediaTypeError
+from service.errors import (
+    BadRequestError,
+    NotFoundError,
+    ServiceError,
+    UnprocessableError,
+    UnsupportedMediaTypeError,
+    printable,
+)
 from service.image_requests import classifier_output
 from service.model_config import ModelConfig
+from service.registry.version import ModelVersion
 
 from .auth import require_admin
 from .bodies import MIB, stream_multipart_form, stream_raw_upload
@@ -34,6 +43,7 @@ from .codecs import format_validation_error, json_response
 from .deps import dataplane_of, settings_of
 from .schemas import ErrorBody
 
+log = logging.getLogger("service.api")
 router = APIRouter(tags=["models"])
 
 RAW_TYPES = ("application/octet-stream", "application/onnx", "application/x-onnx")
@@ -134,6 +144,16 @@ async def upload_model(
     name: str,
     config: Annotated[str | None, Query(max_length=MAX_CONFIG, description="ModelConfig as JSON")] = None,
 ) -> Response:
+    """Every refusal is logged at info with the model name and the text the client gets."""
+    try:
+        mv = await _receive_and_upload(request, name, config)
+    except ServiceError as exc:
+        log.info("upload of model %r refused (%d): %s", printable(name), exc.status, exc.message)
+        raise
+    return json_response(describe_version(mv), status=201)
+
+
+async def _receive_and_upload(request: Request, name: str, config: str | None) -> ModelVersion:
     check_name(name)
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media not in RAW_TYPES and media != MULTIPART:
@@ -162,8 +182,7 @@ async def upload_model(
         with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
             staged.unlink(missing_ok=True)
         raise
-    mv = await dataplane.upload(name, staged, model_config or ModelConfig())
-    return json_response(describe_version(mv), status=201)
+    return await dataplane.upload(name, staged, model_config or ModelConfig())
 
 
 @router.get("/v1/models", summary="All models and their versions")

@@ -48,15 +48,21 @@ def _fused_conv_enabled(config: OptimizerConfig) -> bool:
     return config.fused_conv
 
 
+FUSED_CONV_OFF = "fused_conv is off (no com.microsoft.FusedConv)"
+
+
 @dataclasses.dataclass(frozen=True)
 class PassSpec:
+    """``disabled``: why the pass does not run when ``enabled`` says no (the report shows it)."""
+
     name: str
     run: Pass
     enabled: Callable[[OptimizerConfig], bool] = _always
+    disabled: str = ""
 
 
-def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always) -> PassSpec:
-    return PassSpec(fn.__name__, fn, enabled)
+def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always, disabled: str = "") -> PassSpec:
+    return PassSpec(fn.__name__, fn, enabled, disabled)
 
 
 # Explicit order: clean up first, then fold normalisation into convolutions: a BN goes into the conv (or
@@ -82,8 +88,8 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(fuse_mul_hardsigmoid_into_hardswish),
     _spec(fuse_elementwise_into_conv),
     _spec(sink_conv_bias),
-    _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled),
-    _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled),
+    _spec(fuse_conv_add_relu_into_fusedconv, _fused_conv_enabled, FUSED_CONV_OFF),
+    _spec(fuse_conv_relu_into_fusedconv, _fused_conv_enabled, FUSED_CONV_OFF),
 )
 
 # The ai.onnxcnn custom operators (kernels/): only for a session that registers that library on the CUDA
@@ -116,26 +122,27 @@ def run_pipeline(
     config: OptimizerConfig,
     passes: Sequence[PassSpec] = DEFAULT_PIPELINE,
 ) -> tuple[int, list[PassStat]]:
-    """Run ``passes`` to a fixed point. Returns (iterations, per-pass stats summed over iterations)."""
+    """Run ``passes`` to a fixed point. Returns (iterations, per-pass stats summed over iterations, in
+    ``passes`` order; a disabled pass's stat says why it was skipped)."""
     from service.optimizer.report import PassStat
 
     active = [p for p in passes if p.enabled(config)]
-    stats = {p.name: PassStat(p.name) for p in active}
+    stats = {p.name: PassStat(p.name) if p in active else PassStat(p.name, skipped=p.disabled or "disabled")
+             for p in passes}
     iterations = 0
     while iterations < config.max_iterations:
         iterations += 1
         changed = 0
         for spec in active:
-            before = len(graph.nodes)
+            stat, before = stats[spec.name], len(graph.nodes)
             rewrites = spec.run(graph)
             if rewrites:
                 graph.cleanup(remove_unused_graph_inputs=False).toposort()
-            if rewrites:
-                stat = stats[spec.name]
-                if not stat.rewrites:
-                    stat.nodes_before = before
-                stat.rewrites += rewrites
+            if stat.nodes_before is None or (rewrites and not stat.rewrites):  # its first run, its first rewrite
+                stat.nodes_before = before
+            if rewrites or stat.nodes_after is None:
                 stat.nodes_after = len(graph.nodes)
+            stat.rewrites += rewrites
             changed += rewrites
         if not changed:
             break

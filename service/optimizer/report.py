@@ -22,10 +22,27 @@ def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
 
 @dataclasses.dataclass
 class PassStat:
+    """One pass's effect on the main graph.
+
+    A pass that ran: ``nodes_before`` is the node count before its first rewrite (before its first run when it
+    rewrote nothing), ``nodes_after`` the count after its last rewrite (equal to ``nodes_before`` when it
+    rewrote nothing). A pass that did not run: ``skipped`` says why and both counts are None, as they are in a
+    record of an earlier optimizer that did not keep them."""
+
     name: str
     rewrites: int = 0
-    nodes_before: int = 0
-    nodes_after: int = 0
+    nodes_before: int | None = None
+    nodes_after: int | None = None
+    skipped: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PassStat:
+        """Records of earlier optimizers wrote 0 -> 0 for a pass that rewrote nothing: unknown counts."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        stat = cls(**{k: v for k, v in data.items() if k in fields})
+        if not stat.rewrites and stat.nodes_before == stat.nodes_after == 0:
+            stat.nodes_before = stat.nodes_after = None
+        return stat
 
 
 @dataclasses.dataclass
@@ -61,7 +78,7 @@ class OptimizationReport:
     def from_dict(cls, data: dict[str, Any]) -> OptimizationReport:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
-        kwargs["passes"] = [PassStat(**p) for p in data.get("passes", [])]
+        kwargs["passes"] = [PassStat.from_dict(p) for p in data.get("passes", [])]
         return cls(**kwargs)
 
     def summary(self) -> str:
@@ -78,6 +95,7 @@ class OptimizationReport:
                 )
         if not any(stat.rewrites for stat in self.passes):
             lines.append("  (no rewrites)")
+        lines.extend(f"  {stat.name:<40} skipped: {stat.skipped}" for stat in self.passes if stat.skipped)
         lines.append("ops before: " + ", ".join(f"{op} {n}" for op, n in self.ops_before.items()))
         lines.append("ops after:  " + ", ".join(f"{op} {n}" for op, n in self.ops_after.items()))
         if self.verified:

@@ -118,12 +118,20 @@ class VersionMetadata(_Record):
         return self.model_copy(update={"optimization": record, "engine": None, "engines": {}})
 
     def report(self) -> dict[str, Any] | None:
-        """The optimization report of the variant being served (or the first one before loading)."""
+        """The optimization report of the variant being served (or the first one before loading), in the
+        optimizer's current form (``OptimizationReport.from_dict`` reads what earlier optimizers wrote)."""
+        from service.optimizer.report import OptimizationReport
+
         variants = self.optimization.variants if self.optimization is not None else {}
         chosen = ((self.engine or {}).get("choice") or {}).get("variant")
         entry = variants.get(chosen) if isinstance(chosen, str) else None
         entry = entry or next(iter(variants.values()), None)
-        return None if entry is None else entry.report
+        if entry is None:
+            return None
+        try:
+            return OptimizationReport.from_dict(entry.report).to_dict()
+        except (TypeError, ValueError):  # not a report this optimizer can read: shown as stored
+            return entry.report
 
 
 def engine_key(record: dict[str, Any]) -> str:

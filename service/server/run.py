@@ -8,9 +8,10 @@ cannot be bound stops the server with status 1. SIGTERM/SIGINT: readiness turns 
 calls get up to ``shutdown_grace_s`` to finish (at the same time), then the model manager stops. A clean,
 signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT`` (``https`` with
 TLS), then ``listening on grpc://HOST:PORT``, go to stdout with the real ports, so ``--port 0`` and
-``SERVICE_GRPC_PORT=0`` work for tests and scripts; a "ready" line goes to the log once every model is
-served. With ``workers`` > 1 the supervisor (``server.supervisor``) reserves both ports and runs one such
-server per worker process.
+``SERVICE_GRPC_PORT=0`` work for tests and scripts; a line ``ready: N model(s) served (...)`` goes to the
+log (stderr) once every stored model is loaded, after those. With ``workers`` > 1 the supervisor
+(``server.supervisor``) reserves both ports, runs one such server per worker process and logs the "ready"
+line itself once every worker serves.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class _Server(uvicorn.Server):
         self.announce = announce
         self.grpc = grpc
         self.failed = False
+        self._ready_line: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.lifecycle.begin_shutdown()
@@ -68,9 +70,22 @@ class _Server(uvicorn.Server):
                 return
             if self.announce:
                 print(f"listening on {self.grpc.url}{' (TLS)' if self.grpc.tls else ''}", flush=True)
+        if self.announce and self.started:
+            self._ready_line = asyncio.ensure_future(self._log_ready())
+
+    async def _log_ready(self) -> None:
+        """The "ready" log line once every stored model is loaded: after the "listening" lines, by order."""
+        try:
+            await self.lifecycle.wait_started()
+        except RuntimeError:  # the manager failed to start: it logged why, readiness stays false
+            return
+        if not self.lifecycle.shutting_down:
+            log.info("ready: %s", self.lifecycle.served())
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """gRPC stops accepting and drains while HTTP does; the models stop after both (``Lifecycle``)."""
+        if self._ready_line is not None:
+            self._ready_line.cancel()
         if self.grpc is not None:
             grace = self.config.timeout_graceful_shutdown or 0.0
             self.lifecycle.drain_before_stop(asyncio.ensure_future(self.grpc.stop(grace)))

@@ -23,6 +23,8 @@ How:
   once worker 0 has loaded everything. They reuse the optimized files and the tuner's choice, and accept
   connections only when their models are loaded, so the shared port never routes to a worker that
   cannot serve. (Every process removes what gone processes left in the store; a live one's work stays.)
+  Each worker logs what it serves once loaded; the supervisor logs ``ready: N workers serving`` once every
+  worker has loaded every stored model (again after a restart of everything).
 * Uploads and deletes go to whichever worker receives them; the others follow the store every
   ``store_sync_s`` (``registry.sync.StoreFollower``). A new version reaches the other workers once its
   loader has recorded the engine choice, i.e. right after the upload's 201 plus their own load time;
@@ -142,7 +144,8 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 class _Worker:
     index: int
     process: Any  # multiprocessing's SpawnProcess
-    started: Any  # multiprocessing Event, set once the worker's registry has started
+    started: Any  # multiprocessing Event, set once the worker's registry has started (or failed to)
+    loaded: Any  # multiprocessing Event, set once the worker's registry has loaded every stored model
 
 
 class Supervisor:
@@ -156,6 +159,7 @@ class Supervisor:
         self.engine_host = engine_host
         self.engine_process: Any = None
         self.stopping = False
+        self.announced = False  # the "ready" line went out for the workers running now
         self.restarts: collections.deque[float] = collections.deque()
         # each worker's open connections, for server.balance (one slot per worker)
         self.connection_counts = self.ctx.RawArray("i", settings.workers)
@@ -201,13 +205,13 @@ class Supervisor:
         self.stopping = True
 
     def _start(self, index: int, *, first_start: bool) -> _Worker:
-        started = self.ctx.Event()
-        args = (self.settings, self.host, self.port, index, first_start and index == 0, started, self.engine_host,
-                self.connection_counts)
+        started, loaded = self.ctx.Event(), self.ctx.Event()
+        args = (self.settings, self.host, self.port, index, first_start and index == 0, (started, loaded),
+                self.engine_host, self.connection_counts)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
-        worker = _Worker(index, process, started)
+        worker = _Worker(index, process, started, loaded)
         self.workers[index] = worker
         return worker
 
@@ -216,8 +220,19 @@ class Supervisor:
         while not (self.stopping or worker.started.is_set() or not worker.process.is_alive()):
             worker.started.wait(_POLL_S)
 
+    def _log_ready(self) -> None:
+        """The "ready" line, once, when every worker of this start has loaded every stored model."""
+        workers = self.workers.values()
+        if self.announced or len(workers) < self.settings.workers or not all(w.loaded.is_set() for w in workers):
+            return
+        self.announced = True
+        scheme = "https" if self.settings.tls_cert_file is not None else "http"
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        log.info("ready: %d workers serving on %s://%s:%d", len(workers), scheme, shown, self.port)
+
     def _watch(self) -> int:
         while not self.stopping:
+            self._log_ready()
             sentinels = [w.process.sentinel for w in self.workers.values()]
             if self.engine_process is not None:
                 sentinels.append(self.engine_process.sentinel)
@@ -248,6 +263,7 @@ class Supervisor:
                 return False
             self._stop_workers()
             self.workers.clear()
+            self.announced = False
             if self._start_all(first_start=False) or self.stopping:
                 return True
 
@@ -359,14 +375,15 @@ def _worker_main(
     port: int,
     index: int,
     prepare_store: bool,
-    started: Any,
+    events: tuple[Any, Any],
     engine_host: HostAddress,
     connection_counts: Any,
 ) -> None:
     """One worker process: the app on the shared socket, its engines in the engine process.
 
     Only the very first worker prepares the store and answers while it loads; the others accept connections
-    once their models are loaded, so the shared port never routes to a worker that cannot serve."""
+    once their models are loaded, so the shared port never routes to a worker that cannot serve. ``events``:
+    (started, loaded), set once its registry has started, and once it has loaded every stored model."""
     from service.api.app import create_app
     from service.metrics import Metrics
     from service.registry.manager import ModelManager
@@ -377,7 +394,15 @@ def _worker_main(
     metrics = Metrics()
     manager = ModelManager(settings, metrics=metrics, prepare_store=prepare_store, follow_store=True,
                            engine_loader=RemoteEngineLoader(engine_host))
-    app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=started.set)
+    started, loaded = events
+
+    def on_started() -> None:
+        if app.state.dataplane.start_failed is None:
+            log.info("worker %d (pid %d): %s", index, os.getpid(), app.state.lifecycle.served())
+            loaded.set()
+        started.set()
+
+    app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=on_started)
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     _stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)

@@ -96,6 +96,8 @@ def test_a_short_admin_token_is_named_but_never_echoed(monkeypatch):
         ("SERVICE_REQUEST_TIMEOUT_S", "nonsense-timeout"),
         ("SERVICE_LOG_LEVEL", "chatty"),
         ("SERVICE_BUCKETS", "[0, 4]"),
+        ("SERVICE_BUCKETS", "1,2,4"),  # not JSON: pydantic-settings' own error, not a ValidationError
+        ("SERVICE_BUCKETS", "[8, 16"),
         ("SERVICE_DEVICE", "tpu9"),
         ("SERVICE_WORKERS", "6500"),
         ("SERVICE_HOST", "evil.example"),
@@ -116,6 +118,31 @@ def test_several_bad_values_are_all_named_on_one_line():
     message = str(info.value)
     assert "\n" not in message
     assert "SERVICE_MAX_BATCH_SIZE: " in message and "SERVICE_QUEUE_SIZE: " in message
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "why"),
+    [
+        ("missing-cert.pem", "missing-key.pem", "No such file or directory"),
+        ("not-pem.txt", "not-pem.txt", "not a PEM certificate chain and its private key"),
+    ],
+)
+def test_a_tls_pair_that_does_not_load_is_named_without_its_paths(monkeypatch, tmp_path, cert, key, why):
+    (tmp_path / "not-pem.txt").write_text("hello\n")
+    monkeypatch.setenv("SERVICE_TLS_CERT_FILE", str(tmp_path / cert))
+    monkeypatch.setenv("SERVICE_TLS_KEY_FILE", str(tmp_path / key))
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith("SERVICE_TLS_CERT_FILE, SERVICE_TLS_KEY_FILE: cannot load them: ") and why in message
+    assert str(tmp_path) not in message and "\n" not in message
+
+
+def test_half_a_tls_pair_names_both_variables(monkeypatch):
+    monkeypatch.setenv("SERVICE_TLS_KEY_FILE", "key.pem")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value) == "set both SERVICE_TLS_CERT_FILE and SERVICE_TLS_KEY_FILE, or neither"
 
 
 def test_good_values_load():
@@ -139,6 +166,9 @@ def _serve(tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[st
     [
         ({"SERVICE_ADMIN_TOKEN": "tok3n-value"}, "SERVICE_ADMIN_TOKEN", "tok3n-value"),
         ({"SERVICE_ENGINE__AUTOTUNE": "false"}, "SERVICE_ENGINE__AUTOTUNE was removed", None),
+        ({"SERVICE_BUCKETS": "1,2,4"}, "SERVICE_BUCKETS: not valid JSON", "1,2,4"),
+        ({"SERVICE_TLS_CERT_FILE": "no-cert.pem", "SERVICE_TLS_KEY_FILE": "no-key.pem"}, "SERVICE_TLS_CERT_FILE",
+         "no-cert.pem"),
     ],
 )
 def test_serve_refuses_bad_settings_with_exit_2_and_one_error_line(tmp_path, environment, named, hidden):

@@ -217,22 +217,30 @@ def test_without_an_admin_token_management_is_forbidden(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ not supported, metrics
+SYSTEM_SHM, CUDA_SHM = "the system shared-memory extension", "the CUDA shared-memory extension"
+
+
 @pytest.mark.parametrize(
-    ("rest_call", "grpc_call", "text"),
+    ("call", "args", "text"),
     [
-        ("get_system_shared_memory_status", "get_system_shared_memory_status", "the system shared-memory extension"),
-        ("unregister_system_shared_memory", "unregister_system_shared_memory", "the system shared-memory extension"),
-        ("get_cuda_shared_memory_status", "get_cuda_shared_memory_status", "the CUDA shared-memory extension"),
-        ("get_trace_settings", "get_trace_settings", "the trace extension"),
-        ("get_log_settings", "get_log_settings", "the logging extension"),
+        ("get_system_shared_memory_status", (), SYSTEM_SHM),
+        ("register_system_shared_memory", ("region", "/shm-key", 768), SYSTEM_SHM),
+        ("unregister_system_shared_memory", (), SYSTEM_SHM),
+        ("get_cuda_shared_memory_status", (), CUDA_SHM),
+        ("register_cuda_shared_memory", ("region", b"aGFuZGxl", 0, 768), CUDA_SHM),
+        ("unregister_cuda_shared_memory", ("region",), CUDA_SHM),
+        ("get_trace_settings", (), "the trace extension"),
+        ("update_trace_settings", ("tiny", {"trace_level": ["TIMESTAMPS"]}), "the trace extension"),
+        ("get_log_settings", (), "the logging extension"),
+        ("update_log_settings", ({"log_info": True},), "the logging extension"),
     ],
 )
-def test_unsupported_extensions_say_so(live: ThreadedServer, rest_call: str, grpc_call: str, text: str) -> None:
+def test_unsupported_extensions_say_so(live: ThreadedServer, call: str, args: tuple, text: str) -> None:
     h, g = clients(live)
     with pytest.raises(InferenceServerException) as rest:
-        getattr(h, rest_call)()
+        getattr(h, call)(*args)
     with pytest.raises(InferenceServerException) as rpc:
-        getattr(g, grpc_call)()
+        getattr(g, call)(*args)
     assert rest.value.status() == "400" and rpc.value.status() == "StatusCode.UNIMPLEMENTED"
     assert rest.value.message() == rpc.value.message() == f"{text} is not supported by this server"
 
