@@ -72,6 +72,20 @@ def validate_model_name(name: object) -> str:
     return name
 
 
+RESERVED_NAMES = frozenset({"stats"})
+"""Names a new model cannot take: ``GET /v2/models/stats`` is Triton's statistics extension, so a model named
+``stats`` could never be described over KServe V2 REST."""
+
+
+def validate_new_model_name(name: object) -> str:
+    """``validate_model_name``, and not one of ``RESERVED_NAMES`` (for uploads and imports, not lookups)."""
+    checked = validate_model_name(name)
+    if checked in RESERVED_NAMES:
+        raise BadRequestError(f"the model name {checked!r} is reserved: GET /v2/models/{checked} is Triton's "
+                              "statistics extension")
+    return checked
+
+
 def validate_model(model: onnx.ModelProto) -> None:
     """Raise InvalidModelError with a clear message unless ``model`` is acceptable for serving."""
     if not isinstance(model, onnx.ModelProto) or not model.HasField("graph"):

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from service.errors import ServiceError, ShuttingDownError
 from service.model_config import ModelConfig
-from service.registry.acceptance import validate_model_name
+from service.registry.acceptance import validate_new_model_name
 from service.registry.store import ModelStore, sha256_file
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def model_files(folder: Path) -> list[Path]:
 async def import_one(manager: ModelManager, path: Path) -> bool:
     """Import one file as the model named after it; False when that original is stored under that name."""
     try:
-        name = validate_model_name(path.stem)
+        name = validate_new_model_name(path.stem)
     except ServiceError as exc:
         raise ImportRefused(f"the file name does not make a model name ({exc.message})") from None
     config = await asyncio.to_thread(read_config, path.with_suffix(".json"))

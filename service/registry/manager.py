@@ -43,7 +43,7 @@ from service.errors import (
 )
 from service.imaging.config import Postprocess, Preprocess
 from service.model_config import EffectiveConfig, ModelConfig
-from service.registry.acceptance import validate_model_name
+from service.registry.acceptance import validate_new_model_name
 from service.registry.importer import import_models
 from service.registry.locks import exclusive_async
 from service.registry.metadata import (
@@ -222,7 +222,7 @@ class ModelManager:
         left on disk."""
         out_dir: Path | None = None
         try:
-            validate_model_name(name)
+            validate_new_model_name(name)
             self.check_accepting()
             if await asyncio.to_thread(is_unloaded, self.store, name):
                 raise ConflictError(f"model {quoted(name)} is unloaded: load it first (repository extension)")

@@ -137,6 +137,16 @@ async def test_config_given_twice_is_400(fresh: httpx.AsyncClient, tiny_bytes: b
     assert _staging_leftovers(fresh) == []
 
 
+async def test_the_statistics_path_is_not_a_model_name(fresh: httpx.AsyncClient, tiny_bytes: bytes) -> None:
+    """``/v2/models/stats`` is Triton's statistics extension: a model named so could never be described."""
+    r = await fresh.post("/v1/models/stats", content=tiny_bytes, headers={**AUTH, "content-type": OCTET})
+    assert r.status_code == 400 and "reserved" in r.json()["error"], r.text
+    assert (await fresh.get("/v1/models/stats")).status_code == 404
+    assert _staging_leftovers(fresh) == []
+    r = await fresh.post("/v1/models/stats2", content=tiny_bytes, headers={**AUTH, "content-type": OCTET})
+    assert r.status_code == 201, r.text
+
+
 # ------------------------------------------------------------------ auth
 async def test_auth_required_for_writes(fresh: httpx.AsyncClient, tiny_bytes: bytes) -> None:
     cases = [
