@@ -20,10 +20,26 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.imaging.config import Postprocess, Preprocess
+from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
 from service.settings import Buckets, MaxBatchSize, MaxDelayMs, Precision, QueueSize, ServiceSettings, TimeoutS
 
 MAX_DESCRIPTION = 1000
 """Longest model description, in characters."""
+
+
+class VerifyTolerance(BaseModel):
+    """A model's own verification tolerance (``service.optimizer.verify``: an element matches when
+    ``|optimized - original| <= atol + rtol * scale``). The report records the tolerance every verification
+    used, and a looser one than the default is logged; verification itself cannot be switched off per model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rtol: float = Field(DEFAULT_RTOL, ge=0.0, le=0.1, description=f"Relative tolerance (default {DEFAULT_RTOL:g}).")
+    atol: float = Field(DEFAULT_ATOL, ge=0.0, le=1.0, description=f"Absolute tolerance (default {DEFAULT_ATOL:g}).")
+
+    @property
+    def is_default(self) -> bool:
+        return self.rtol == DEFAULT_RTOL and self.atol == DEFAULT_ATOL
 
 
 class ModelConfig(BaseModel):
@@ -46,6 +62,10 @@ class ModelConfig(BaseModel):
     )
     postprocess: Postprocess | None = Field(
         None, description="The model is a classifier: softmax, top-k and labels of its first output."
+    )
+    verify_tolerance: VerifyTolerance | None = Field(
+        None, description="The model's own verification tolerance, {\"rtol\", \"atol\"} (e.g. an fp16-trained "
+        "model whose outputs differ by more than 1e-4 relative after fusion); recorded in the report."
     )
     description: str | None = Field(
         None, max_length=MAX_DESCRIPTION, description="What the model is, for people (shown with the model)."
@@ -88,6 +108,7 @@ class ModelConfig(BaseModel):
             verify=settings.verify,
             preprocess=self.preprocess,
             postprocess=self.postprocess,
+            tolerance=self.verify_tolerance or VerifyTolerance(),
         )
 
 
@@ -109,6 +130,7 @@ class EffectiveConfig:
     verify: bool
     preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
+    tolerance: VerifyTolerance = dataclasses.field(default_factory=lambda: VerifyTolerance())
 
     @property
     def folds_normalization(self) -> bool:
@@ -121,6 +143,8 @@ class EffectiveConfig:
         The folded normalisation is listed only when there is one, so a model without it keeps the key
         it had before image models existed."""
         fields: dict[str, Any] = {"fused_conv": self.fused_conv, "verify": self.verify}
+        if not self.tolerance.is_default:  # listed only when set, so other models keep their keys
+            fields["verify_tolerance"] = self.tolerance.model_dump()
         if self.folds_normalization:
             assert self.preprocess is not None
             p = self.preprocess
@@ -132,6 +156,7 @@ class EffectiveConfig:
         """JSON-able, for the management API: the labels are counted, not listed (see the labels route)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["buckets"] = list(self.buckets)
+        data["tolerance"] = self.tolerance.model_dump()
         data["preprocess"] = None if self.preprocess is None else self.preprocess.model_dump(mode="json")
         post = self.postprocess
         data["postprocess"] = None if post is None else {

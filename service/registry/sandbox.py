@@ -50,6 +50,8 @@ from service.errors import (
     UnprocessableError,
     VerificationError,
 )
+from service.model_config import VerifyTolerance
+from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +141,16 @@ class OptimizerRunner:
         self._lock = threading.Lock()
 
     async def run(
-        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None
+        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None,
+        tolerance: VerifyTolerance | None = None,
     ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
         If the caller is cancelled (client gone, shutdown), the child is killed."""
         job = _Job()
         try:
             return await asyncio.to_thread(
-                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image, job=job
+                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image,
+                tolerance=tolerance, job=job,
             )
         except asyncio.CancelledError:
             job.cancel()
@@ -160,12 +164,15 @@ class OptimizerRunner:
         fused_conv: bool,
         verify: bool,
         image: ImageArgs | None = None,
+        tolerance: VerifyTolerance | None = None,
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
+        tolerance = tolerance or VerifyTolerance()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
             "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
+            "--rtol", repr(tolerance.rtol), "--atol", repr(tolerance.atol),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
@@ -301,7 +308,7 @@ def _fused_conv_count(model: Any) -> int:
 
 def _job(
     source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
-    label_count: int | None = None,
+    label_count: int | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -323,7 +330,7 @@ def _job(
         preprocess))
     check_labels(uploaded, label_count)
     variants: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify,
+    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify, rtol=rtol, atol=atol,
                                                     input_normalization=normalization))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
     # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
@@ -336,8 +343,8 @@ def _job(
     if fused_made:
         variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
         del first
-        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify,
-                                                              input_normalization=normalization))
+        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
+                                                              atol=atol, input_normalization=normalization))
         _save_variant(plain, out_dir / PLAIN_FILE)
         variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
     else:
@@ -407,12 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
     parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="verification tolerance, relative")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="verification tolerance, absolute")
     args = parser.parse_args(argv)
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
         result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify),
-                      preprocess=args.preprocess, label_count=args.label_count)
+                      preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):
             logging.getLogger(__name__).warning("optimization failed", exc_info=True)

@@ -85,6 +85,22 @@ async def test_multipart_upload_with_config(fresh: httpx.AsyncClient, tiny_bytes
     np.testing.assert_allclose(await _logits(fresh, "mp", x), reference(tiny_bytes, x)["logits"], rtol=1e-4)
 
 
+async def test_a_model_verification_tolerance_is_used_and_recorded(fresh: httpx.AsyncClient, tiny_bytes: bytes) -> None:
+    config = {"verify_tolerance": {"rtol": 1e-3, "atol": 1e-4}}
+    files = {"file": ("model.onnx", tiny_bytes, OCTET), "config": (None, json.dumps(config))}
+    r = await fresh.post("/v1/models/tol", files=files, headers=AUTH)
+    assert r.status_code == 201, r.text
+    assert (r.json()["report"]["verify_rtol"], r.json()["report"]["verify_atol"]) == (1e-3, 1e-4)
+    (version,) = (await fresh.get("/v1/models/tol")).json()["versions"]
+    assert version["config"]["tolerance"] == {"rtol": 1e-3, "atol": 1e-4}
+    r = await fresh.post("/v1/models/plain", content=tiny_bytes, headers={**AUTH, "content-type": OCTET})
+    assert (r.json()["report"]["verify_rtol"], r.json()["report"]["verify_atol"]) == (1e-4, 1e-5)
+    for bad in ({"rtol": 0.5}, {"atol": -1}, {"rtol": 1e-3, "verify": False}):
+        files = {"file": ("model.onnx", tiny_bytes, OCTET), "config": (None, json.dumps({"verify_tolerance": bad}))}
+        r = await fresh.post("/v1/models/loose", files=files, headers=AUTH)
+        assert r.status_code == 422 and "verify_tolerance" in r.json()["error"], r.text
+
+
 @pytest.mark.parametrize("where", ["query", "header"])
 async def test_config_by_query_or_header(fresh: httpx.AsyncClient, tiny_bytes: bytes, where: str) -> None:
     config = json.dumps({"max_batch_size": 2, "max_delay_ms": 0.5})
