@@ -356,10 +356,14 @@ class ModelManager:
         )
         loaded = await asyncio.to_thread(self._engine_loader, request)
         try:
-            before, mv.metadata = mv.metadata, mv.metadata.with_engine(loaded.record)
-            if not before.records_engine(loaded.record):
-                record = functools.partial(_with_record, loaded.record, _run_of(before.optimization))
-                await self._save_metadata(mv, record, "the engine choice")
+            before = mv.metadata
+            records = (*loaded.records, loaded.record)  # the served device's last: it is the version's engine
+            for record in records:
+                mv.metadata = mv.metadata.with_engine(record)
+            for record in records:
+                if not before.records_engine(record):
+                    change = functools.partial(_with_record, record, _run_of(before.optimization))
+                    await self._save_metadata(mv, change, "the engine choice")
             await mv.activate(loaded.engine)
         except BaseException:
             if not mv.has_engine:

@@ -1,9 +1,11 @@
 """A worker's engine for a model version served by several engine processes, one per device.
 
 ``SpreadEngineLoader`` is the registry's EngineLoader in a worker when the server has more than one device. It
-loads the version on the first device that serves (where the tuner may run), then on the others with that
-record as the cached choice (identical GPUs share the record, so nothing is tuned twice), and returns a
-``SpreadEngine``: ``IN_FLIGHT`` connections per device (``client.RemoteEngine``), behind the Engine protocol.
+loads the version on the first device that serves (where the tuner may run), then on the others at once with
+that record as the cached choice: identical GPUs share the record (the tuner keys it by the GPU's name, not its
+ordinal), so nothing is tuned twice; a device of another GPU model makes its own choice, returned beside the
+first (``LoadedEngine.records``) so the version keeps one record per GPU model. It returns a ``SpreadEngine``:
+``IN_FLIGHT`` connections per device (``client.RemoteEngine``), behind the Engine protocol.
 
 Spreading: each batch goes to the device with the fewest samples in flight from this worker, among the devices
 that serve and have an idle connection; ties go round-robin (``pick_lane``). So a device that runs slower (a
@@ -66,6 +68,8 @@ class Lane:
     """The engine process generation the connections belong to (0: none yet)."""
     lost: bool = True
     rejoining: bool = False
+    record: dict[str, Any] | None = None
+    """The tuner's record of this device's engine (loaded again with it)."""
 
     @property
     def serving(self) -> bool:
@@ -220,8 +224,9 @@ class SpreadEngine:
 
     def _rejoin(self, lane: Lane, generation: int) -> None:
         """Connect to the device's new engine process (the engine is loaded there with the record)."""
+        request = dataclasses.replace(self._request, cached_choice=lane.record or self.record)
         try:
-            engines, _ = self._connect(lane.index, self._request)
+            engines, _ = self._connect(lane.index, request)
         except Exception as exc:  # tried again at the next generation
             detail = exc.message if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
             log.error("model %s: device %s could not load it again: %s", self._request.label, lane.label, detail)
@@ -273,12 +278,17 @@ class SpreadEngineLoader:
         if failures:
             engine.close()
             raise failures[0]
+        models = {loaded.record.get("device"): loaded.record}  # one record per GPU model
+        for lane in others:
+            if lane.record is not None:
+                models.setdefault(lane.record.get("device"), lane.record)
+        extra = tuple(record for record in models.values() if record is not loaded.record)
         with self._lock:
             self._engines.add(engine)
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="device-board", daemon=True)
                 self._watcher.start()
-        return LoadedEngine(engine, loaded.record)
+        return LoadedEngine(engine, loaded.record, extra)
 
     def _load_first(self, request: LoadRequest, lanes: list[Lane]) -> tuple[Lane, protocol.Loaded]:
         """The version on the first device that serves (the tuner may run there)."""
@@ -293,7 +303,7 @@ class SpreadEngineLoader:
             except EngineGoneError as exc:
                 reasons.append(f"{lane.label}: {exc.message}")
                 continue
-            lane.engines, lane.idle, lane.lost = engines, list(engines), False
+            lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, loaded.record
             return lane, loaded
         raise EngineGoneError(f"no device could load the model ({'; '.join(reasons)})")
 
@@ -303,7 +313,7 @@ class SpreadEngineLoader:
         if lane.generation == 0:
             return
         try:
-            engines, _ = self.connect(lane.index, request)
+            engines, loaded = self.connect(lane.index, request)
         except EngineGoneError as exc:
             log.error("model %s: device %s is lost (%s); it loads the model when it serves again",
                       request.label, lane.label, exc.message)
@@ -311,7 +321,11 @@ class SpreadEngineLoader:
         except BaseException as exc:  # the model does not load there: every device must serve every model
             failures.append(exc)
             return
-        lane.engines, lane.idle, lane.lost = engines, list(engines), False
+        shared = request.cached_choice or {}
+        if loaded.record.get("device") != shared.get("device"):  # another GPU model: it made its own choice
+            log.info("model %s: device %s is a %s, not a %s: it has its own tuner record", request.label,
+                     lane.label, loaded.record.get("device"), shared.get("device"))
+        lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, loaded.record
 
     def _watch(self) -> None:
         while True:

@@ -281,3 +281,33 @@ def test_a_device_down_at_load_time_is_skipped_and_the_model_still_loads(folder:
                 LoadRequest({"plain": str(model)}, CPU, "fp32", None, 8, "t"))
     finally:
         host.close()
+
+
+def test_a_device_of_another_gpu_model_keeps_its_own_record(folder: Path) -> None:
+    model = folder / "tiny.onnx"
+    model.write_bytes(tiny_cnn(seed=10))
+
+    def named(name: str) -> Any:
+        def load(request: LoadRequest) -> LoadedEngine:
+            loaded = load_in_process(request)
+            cached = request.cached_choice
+            if cached is not None and cached.get("device") == name:  # the tuner's rule: same GPU model, reuse
+                return LoadedEngine(loaded.engine, {**cached, "reused": True})
+            return LoadedEngine(loaded.engine, {**loaded.record, "device": name})
+        return load
+
+    devices = [Device("cuda:0", 0), Device("cuda:1", 1), Device("cuda:2", 2)]
+    addresses = [HostAddress(str(folder / f"e{i}.sock"), b"k" * 32, str(folder)) for i in range(3)]
+    names = ["GPU A", "GPU A", "GPU B"]
+    hosts = [EngineHost(a, loader=named(n), device=d) for a, n, d in zip(addresses, names, devices, strict=True)]
+    for host in hosts:
+        host.start()
+    try:
+        loaded = SpreadEngineLoader(DeviceBoard(devices, [1, 1, 1]), addresses)(
+            LoadRequest({"plain": str(model)}, CPU, "fp32", None, 8, "t"))
+        assert loaded.record["device"] == "GPU A"
+        assert [record["device"] for record in loaded.records] == ["GPU B"]  # the second A shared the first's
+        loaded.engine.close()
+    finally:
+        for host in hosts:
+            host.close()
