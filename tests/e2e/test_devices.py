@@ -19,120 +19,32 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
-from builders import reference, tiny_cnn
-from live_server import AUTH, Server, running
+from device_kit import (
+    UPLOAD,
+    Load,
+    batches,
+    call,
+    check_answers,
+    engine_pids,
+    get,
+    metric,
+    model_and_request,
+    wait_until,
+    worker_connections,
+)
+from live_server import running
+
+from service.runtime.engine_process.client import IN_FLIGHT
 
 pytestmark = pytest.mark.e2e
-
-ENGINE_SOCKET = re.compile(r"/engine-(\d+)\.sock$")
-UPLOAD = {**AUTH, "content-type": "application/octet-stream"}
-JSON = {"content-type": "application/json"}
-
-
-def engine_pids(supervisor_pid: int) -> dict[int, int]:
-    """Device index -> pid of the engine process listening on ``engine-<index>.sock``."""
-    found = {}
-    for child in psutil.Process(supervisor_pid).children():
-        try:
-            for conn in child.net_connections(kind="unix"):
-                match = ENGINE_SOCKET.search(str(conn.laddr))
-                if match:
-                    found[int(match.group(1))] = child.pid
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):
-            continue
-    return found
-
-
-def call(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn.request(method, path, body=body, headers=headers or {})
-    response = conn.getresponse()
-    return response.status, response.read()
-
-
-def get(server: Server, path: str) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        return call(conn, "GET", path)
-    finally:
-        conn.close()
-
-
-def metric(server: Server, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in get(server, "/metrics")[1].decode().splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def batches(server: Server, device: str) -> float:
-    return metric(server, "service_engine_process_batch_size_count", model="tiny", device=device)
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    pytest.fail(f"{what} did not happen within {timeout_s:.0f} s")
-
-
-class Load:
-    """``clients`` threads, each sending the request over its own kept-alive connection until stopped; every
-    answer's status and body are kept."""
-
-    def __init__(self, server: Server, body: bytes, clients: int) -> None:
-        self.server, self.body = server, body
-        self.answers: list[tuple[int, bytes]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(30)
-
-    def _client(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
-        while not self._stop.is_set():
-            try:
-                self.answers.append(call(conn, "POST", "/predict", self.body, JSON))
-            except (OSError, http.client.HTTPException) as exc:  # counted as a failure, never hidden
-                self.answers.append((0, repr(exc).encode()))
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=30)
-        conn.close()
-
-
-def _model_and_request(seed: int) -> tuple[bytes, bytes, np.ndarray]:
-    model = tiny_cnn(seed=seed)
-    x = np.random.default_rng(seed).normal(size=(2, 3, 8, 8)).astype(np.float32)
-    body = json.dumps({"model": "tiny", "inputs": {"input": x.tolist()}}).encode()
-    return model, body, reference(model, {"input": x})["logits"]
-
-
-def _check_answers(answers: list[tuple[int, bytes]], want: np.ndarray) -> None:
-    failed = [(status, body[:200]) for status, body in answers if status != 200]
-    assert not failed, f"{len(failed)} of {len(answers)} requests failed, e.g. {failed[:3]}"
-    for _, body in answers[:: max(1, len(answers) // 20)]:
-        got = np.asarray(json.loads(body)["outputs"]["logits"], np.float32)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_each_fake_device_gets_an_engine_process_that_loads_every_model_and_batches_reach_both(
     tmp_path: Path,
 ) -> None:
-    model, body, want = _model_and_request(seed=11)
+    model, body, want = model_and_request(seed=11)
     env = {"SERVICE_FAKE_DEVICES": "2", "SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         assert "(2 workers, 2 engine processes: fake:0, fake:1)" in server.stdout_path.read_text()
@@ -147,13 +59,15 @@ def test_each_fake_device_gets_an_engine_process_that_loads_every_model_and_batc
             assert re.search(rf"engine process: loaded \['\w+'.*\] on {device} ", server.stderr()), device
         ready = json.loads(get(server, "/v2/health/ready")[1])
         assert ready == {"ready": True, "devices": {"serving": ["fake:0", "fake:1"], "lost": []}}
-        wait_until(lambda: metric(server, "service_devices") == 2, 30, "both workers reporting 2 devices")
+        both_loaded = {0: 2 * IN_FLIGHT, 1: 2 * IN_FLIGHT}  # each worker's connections to each device
+        wait_until(lambda: worker_connections(server.pid) == both_loaded, 30, "both workers loading it on both")
+        assert metric(server, "service_devices") == 2
         assert metric(server, "service_devices_serving") == 2
 
         before = {device: batches(server, device) for device in ("fake:0", "fake:1")}
         with Load(server, body, clients=6) as load:
             wait_until(lambda: len(load.answers) >= 120, 60, "120 answers")
-        _check_answers(load.answers, want)
+        check_answers(load.answers, want)
         after = {device: batches(server, device) for device in ("fake:0", "fake:1")}
         ran = {device: after[device] - before[device] for device in after}
         assert ran["fake:0"] > 0 and ran["fake:1"] > 0, ran
@@ -164,7 +78,7 @@ def test_each_fake_device_gets_an_engine_process_that_loads_every_model_and_batc
 def test_a_killed_engine_process_loses_one_device_while_requests_keep_succeeding_and_it_comes_back(
     tmp_path: Path,
 ) -> None:
-    model, body, want = _model_and_request(seed=12)
+    model, body, want = model_and_request(seed=12)
     env = {"SERVICE_FAKE_DEVICES": "2", "SERVICE_WORKERS": "1"}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
@@ -194,7 +108,7 @@ def test_a_killed_engine_process_loses_one_device_while_requests_keep_succeeding
         stop.set()
         prober.join(10)
 
-        _check_answers(load.answers, want)
+        check_answers(load.answers, want)
         assert readiness and set(readiness) == {200}, readiness
         stderr = server.stderr()
         assert f"device fake:1 lost: its engine process (pid {old[1]}) exited with -9; serving on fake:0" in stderr
