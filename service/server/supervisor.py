@@ -10,7 +10,8 @@ batches over them (``runtime.engine_process.spread``).
 
 How:
 * The supervisor (this process) reserves the port (a bound socket that never listens), prints
-  ``listening on ...`` and never touches CUDA. Each worker listens on its own ``SO_REUSEPORT`` socket
+  ``listening on ...`` and holds no CUDA context (it only asked the driver how many GPUs there are:
+  ``server.placement``). Each worker listens on its own ``SO_REUSEPORT`` socket
   on that port, so the kernel spreads new connections over the workers that listen (32 connections at
   once: 6/8/8/10 over 4 workers, ad hoc check on the CPU machine). The first version shared one
   listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up

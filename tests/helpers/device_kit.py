@@ -1,5 +1,5 @@
 """Helpers of the tests of several devices against a live server (tests/e2e/test_devices.py with fake
-devices, tests/gpu/test_devices.py on two GPUs): the engine processes by device, metrics by device, a
+devices, tests/gpu/test_gpu_devices.py on two GPUs): the engine processes by device, metrics by device, a
 background load of clients that keeps every answer."""
 
 from __future__ import annotations
