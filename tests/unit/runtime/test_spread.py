@@ -201,7 +201,7 @@ def test_the_board_drops_a_device_at_once_and_a_new_generation_rejoins() -> None
 # ------------------------------------------------------------------------------------------ the loader
 @pytest.fixture
 def folder() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sp-", dir="/tmp"))  # short: a Unix socket path has ~100 bytes
+    path = Path(tempfile.mkdtemp(prefix="sp-"))  # short: a Unix socket path has ~100 bytes
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
