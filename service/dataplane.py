@@ -215,15 +215,25 @@ class DataPlane:
     # ------------------------------------------------------------------ health
     @property
     def ready(self) -> bool:
-        """Every stored model loaded and warmed, and no shutdown begun."""
-        return not self.shutting_down and self.start_failed is None and self.manager.ready
+        """Every stored model loaded and warmed, no shutdown begun, and (several devices) one device serving."""
+        devices = self.manager.devices
+        serving = devices is None or bool(devices.serving())
+        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving
 
     def not_ready_reason(self) -> str:
         if self.shutting_down:
             return "shutting down"
         if self.start_failed is not None:
             return f"startup failed: {self.start_failed}"
+        devices = self.manager.devices
+        if devices is not None and not devices.serving():
+            return f"no device serves (lost: {', '.join(devices.lost())})"
         return "loading models"
+
+    def device_report(self) -> dict[str, list[str]] | None:
+        """With several devices, which serve and which are lost (readiness shows it); None with one."""
+        devices = self.manager.devices
+        return None if devices is None else devices.report()
 
     def begin_shutdown(self) -> None:
         """Readiness turns false at once (the server calls this from its SIGTERM handler)."""

@@ -98,6 +98,11 @@ class Metrics:
         self.loaded_models = Gauge(
             "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
         )
+        self.devices = Gauge(
+            "service_devices", "Devices the server serves on (one engine process each when there are several; "
+            "service_devices_serving says how many of them serve now).", registry=r, multiprocess_mode="livemax",
+        )
+        self.devices.set(1)
         self.rebalanced = Counter(
             "service_connections_rebalanced", "Kept-alive connections a worker closed because it held more "
             "than its share (several workers; the client reconnects).", registry=r,
@@ -121,6 +126,9 @@ class Metrics:
 
     def set_loaded_models(self, count: int) -> None:
         self.loaded_models.set(count)
+
+    def set_devices(self, count: int) -> None:
+        self.devices.set(count)
 
     # -- API side -----------------------------------------------------------------------------------------
     def observe_request(
@@ -165,30 +173,42 @@ class Metrics:
 
 
 class EngineProcessMetrics:
-    """The engine process's own series (``runtime.engine_process.host``): samples per engine call it makes.
+    """One engine process's own series (``runtime.engine_process.host``), labelled with its ``device``.
 
     With several workers each worker's ``service_batch_size`` counts the batches it formed; the engine
-    process may merge batches of several workers into one call, and this histogram counts what the GPU
-    really ran. It is written to ``PROMETHEUS_MULTIPROC_DIR`` like the workers' series, so ``/metrics``
+    process may merge batches of several workers into one call, and ``service_engine_process_batch_size``
+    counts what the device really ran. ``service_devices_serving`` is 1 per engine process that serves (a
+    live sum: the supervisor removes a dead process's share), so against ``service_devices`` it shows a lost
+    device. Everything is written to ``PROMETHEUS_MULTIPROC_DIR`` like the workers' series, so ``/metrics``
     from any worker shows it.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, device: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.device = device
         self.batch_size = Histogram(
-            "service_engine_process_batch_size", "Samples per engine call in the engine process (batches of "
-            "several workers merged).", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
+            "service_engine_process_batch_size", "Samples per engine call in an engine process, by device (batches "
+            "of several workers merged).", ["model", "device"], buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
         )
         self.page_locked = Gauge(
-            "service_engine_process_page_locked_bytes", "Workers' shared buffers the engine process holds "
+            "service_engine_process_page_locked_bytes", "Workers' shared buffers an engine process holds "
             "page-locked, so that its copies to the GPU are DMA (0 on CPU, or where the driver refused: see "
-            "the log).", registry=self.registry, multiprocess_mode="livesum",
+            "the log).", ["device"], registry=self.registry, multiprocess_mode="livesum",
+        )
+        self.serving = Gauge(
+            "service_devices_serving", "Devices whose engine process is up and serving.", registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self._labelled = _Children().get
+        self._labelled(self.page_locked, device)  # the series exists from the start, at 0
 
     def observe_call(self, model: str, samples: int) -> None:
-        self._labelled(self.batch_size, model).observe(samples)
+        self._labelled(self.batch_size, model, self.device).observe(samples)
 
     def observe_page_lock(self, delta_bytes: int) -> None:
-        self.page_locked.inc(delta_bytes)
+        self._labelled(self.page_locked, self.device).inc(delta_bytes)
+
+    def set_serving(self) -> None:
+        """This process's device serves (from when it listens until the process ends)."""
+        self.serving.set(1)
 

@@ -71,8 +71,8 @@ class ServiceSettings(BaseSettings):
         None, description="Bearer token (16+ characters) for uploads and deletes; unset disables them (403)."
     )
     workers: int = Field(
-        1, ge=1, le=64, description="HTTP worker processes sharing the port; with more than one, one engine "
-        "process owns the device and runs every worker's batches.",
+        1, ge=1, le=64, description="HTTP worker processes sharing the port; with more than one, an engine "
+        "process per device runs every worker's batches.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     demo_model: bool = Field(True, description="Install the demo model (mobilenet_v3_large) in a fresh store.")
@@ -83,7 +83,11 @@ class ServiceSettings(BaseSettings):
         "auto", description="auto: the GPU when CUDA is usable, else the CPU; cuda: a model that cannot load "
         "on the GPU fails.",
     )
-    device_id: int = Field(0, ge=0, description="CUDA device ordinal.")
+    devices: str = Field(
+        "all", description="The GPUs to serve on: a comma list of CUDA ordinals (0,1) or all (every visible GPU; "
+        "the CPU counts as one device). With more than one, each device gets its own engine process, loading "
+        "every model, and the workers spread their batches over them.",
+    )
     precision: Precision = Field(
         "fp32", description="Default precision of new models: fp32, fp16 (CUDA), bf16 (CPU, OpenVINO EP), or auto "
         "(the tuner measures full and reduced precision; the reduced one only once it passed its check)."
@@ -136,6 +140,27 @@ class ServiceSettings(BaseSettings):
         if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", ""):
             return None
         return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _device_list(cls, value: object) -> object:
+        """"all", or the ordinals as a canonical comma list (sorted, no repeats)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            raise ValueError("give a comma list of CUDA ordinals (e.g. 0,1) or all")
+        text = value.strip().lower()
+        if text == "all":
+            return text
+        words = [word.strip() for word in text.split(",")]
+        if not words or not all(word.isdigit() and len(word) <= 3 for word in words):
+            raise ValueError("give a comma list of CUDA ordinals (e.g. 0,1) or all")
+        return ",".join(str(n) for n in sorted({int(word) for word in words}))
+
+    @property
+    def device_ordinals(self) -> tuple[int, ...] | None:
+        """The CUDA ordinals of ``devices``; None for all."""
+        return None if self.devices == "all" else tuple(int(word) for word in self.devices.split(","))
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServiceSettings:
@@ -194,7 +219,8 @@ REMOVED: dict[str, str] = {
     "BATCHING__TIMEOUT_S": "SERVICE_REQUEST_TIMEOUT_S",
     "BATCHING__INLINE_MAX_MS": "a lone request runs on the event loop when the engine took under 1 ms",
     "ENGINE__DEVICE": "SERVICE_DEVICE",
-    "ENGINE__DEVICE_ID": "SERVICE_DEVICE_ID",
+    "ENGINE__DEVICE_ID": "SERVICE_DEVICES",
+    "DEVICE_ID": "SERVICE_DEVICES (a comma list of CUDA ordinals, or all)",
     "ENGINE__BUCKETS": "SERVICE_BUCKETS",
     "ENGINE__CUDNN_CONV_ALGO_SEARCH": "SERVICE_CUDNN_CONV_ALGO_SEARCH",
     "ENGINE__AUTOTUNE": "SERVICE_TUNE_BUDGET_S (0: no timing)",

@@ -1,7 +1,9 @@
 """Liveness and readiness (KServe V2 paths, which Kubernetes probes and load balancers can use).
 
 Live: the process answers. Ready: every stored model is loaded and warmed, and no shutdown has begun;
-503 otherwise, with the reason, so an orchestrator keeps traffic away while models load or drain.
+503 otherwise, with the reason, so an orchestrator keeps traffic away while models load or drain. With several
+devices the server stays ready while one of them serves; the body lists the devices that serve and those lost
+(``{"ready": true, "devices": {"serving": ["cuda:0"], "lost": ["cuda:1"]}}``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ async def live() -> Response:
 )
 async def ready(request: Request) -> Response:
     dataplane = dataplane_of(request)
+    devices = dataplane.device_report()
+    shown = {} if devices is None else {"devices": devices}
     if dataplane.ready:
-        return json_response({"ready": True})
-    doc = {"ready": False, "error": f"not ready: {dataplane.not_ready_reason()}"}
+        return json_response({"ready": True, **shown})
+    doc = {"ready": False, "error": f"not ready: {dataplane.not_ready_reason()}", **shown}
     return json_response(doc, 503, {"Retry-After": "1"})

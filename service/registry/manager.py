@@ -59,6 +59,7 @@ from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
 from service.registry.version import MetricsSink, ModelState, ModelVersion
 from service.runtime.contract import EngineLoader, EngineOptions, LoadRequest
+from service.runtime.engine_process.devices import DeviceBoard
 from service.runtime.loading import load_in_process
 from service.settings import ServiceSettings
 
@@ -87,8 +88,11 @@ def demo_config() -> ModelConfig:
 
 
 def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
+    """The engine options of a version; the device is the first of ``devices`` (an engine process of several
+    devices pins them to its own)."""
+    ordinals = settings.device_ordinals
     return EngineOptions(
-        device=settings.device, device_id=settings.device_id, buckets=config.buckets,
+        device=settings.device, device_id=ordinals[0] if ordinals else 0, buckets=config.buckets,
         cudnn_conv_algo_search=settings.cudnn_conv_algo_search, tune_budget_s=settings.tune_budget_s,
         cpu_threads=settings.cpu_threads,
     )
@@ -102,7 +106,8 @@ class ModelManager:
     the others find it done); a supervisor's later workers leave it to worker 0. ``follow_store``: pick up every
     ``store_sync_s`` the versions other processes (workers, replicas) added or deleted (``sync.StoreFollower``);
     on by default, as any server may share its store. ``engine_loader``: where engines are built (in this
-    process, or the engine process's client in a worker of several).
+    process, or the engine process's client in a worker of several). ``devices``: the board of the engine
+    processes' devices when there are several (readiness and metadata report the lost ones), else None.
     """
 
     def __init__(
@@ -113,8 +118,10 @@ class ModelManager:
         prepare_store: bool = True,
         follow_store: bool = True,
         engine_loader: EngineLoader = load_in_process,
+        devices: DeviceBoard | None = None,
     ) -> None:
         self.settings = settings
+        self.devices = devices
         self.metrics = metrics
         self.prepare_store = prepare_store
         self.table = ModelTable()
@@ -349,10 +356,14 @@ class ModelManager:
         )
         loaded = await asyncio.to_thread(self._engine_loader, request)
         try:
-            before, mv.metadata = mv.metadata, mv.metadata.with_engine(loaded.record)
-            if not before.records_engine(loaded.record):
-                record = functools.partial(_with_record, loaded.record, _run_of(before.optimization))
-                await self._save_metadata(mv, record, "the engine choice")
+            before = mv.metadata
+            records = (*loaded.records, loaded.record)  # the served device's last: it is the version's engine
+            for record in records:
+                mv.metadata = mv.metadata.with_engine(record)
+            for record in records:
+                if not before.records_engine(record):
+                    change = functools.partial(_with_record, record, _run_of(before.optimization))
+                    await self._save_metadata(mv, change, "the engine choice")
             await mv.activate(loaded.engine)
         except BaseException:
             if not mv.has_engine:

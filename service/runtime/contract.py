@@ -403,10 +403,12 @@ class LoadRequest:
 
 @dataclasses.dataclass
 class LoadedEngine:
-    """An engine and the tuner's JSON-able record of how it was chosen."""
+    """An engine and the tuner's JSON-able record of how it was chosen; ``records``: the records of further
+    devices of other GPU models (an engine spread over several engine processes), kept beside ``record``."""
 
     engine: Engine
     record: dict[str, Any]
+    records: tuple[dict[str, Any], ...] = ()
 
 
 class EngineLoader(Protocol):

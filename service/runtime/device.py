@@ -89,22 +89,38 @@ def quiet_native_output() -> Iterator[None]:
         ort.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
 
 
-@functools.cache
-def _driver_status(device_id: int) -> tuple[bool, str]:
-    """Check the NVIDIA driver and the device through libcuda (no ORT involved)."""
+def _device_count() -> tuple[ctypes.CDLL | None, int, str]:
+    """libcuda, the number of CUDA devices it sees (after CUDA_VISIBLE_DEVICES), and why none when 0."""
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False, "no NVIDIA driver (libcuda.so.1 not found)"
+        return None, 0, "no NVIDIA driver (libcuda.so.1 not found)"
     rc = libcuda.cuInit(0)
     if rc != 0:
-        return False, f"the NVIDIA driver found no usable GPU (cuInit error {rc})"
+        return None, 0, f"the NVIDIA driver found no usable GPU (cuInit error {rc})"
     count = ctypes.c_int(0)
     rc = libcuda.cuDeviceGetCount(ctypes.byref(count))
     if rc != 0 or count.value == 0:
-        return False, "the NVIDIA driver reports no CUDA device"
-    if device_id >= count.value:
-        return False, f"CUDA device {device_id} does not exist ({count.value} device(s) found)"
+        return None, 0, "the NVIDIA driver reports no CUDA device"
+    return libcuda, count.value, f"{count.value} CUDA device(s)"
+
+
+def visible_cuda_devices() -> tuple[int, str]:
+    """How many CUDA devices this process may use (the driver's count, after CUDA_VISIBLE_DEVICES) and a
+    human reason when none. Only the driver is asked (cuInit, no context, no ORT)."""
+    with _probe_lock:
+        _, count, reason = _device_count()
+    return count, reason
+
+
+@functools.cache
+def _driver_status(device_id: int) -> tuple[bool, str]:
+    """Check the NVIDIA driver and the device through libcuda (no ORT involved)."""
+    libcuda, count, reason = _device_count()
+    if libcuda is None:
+        return False, reason
+    if device_id >= count:
+        return False, f"CUDA device {device_id} does not exist ({count} device(s) found)"
     device = ctypes.c_int(0)
     name = ctypes.create_string_buffer(256)
     found = libcuda.cuDeviceGet(ctypes.byref(device), device_id) == 0

@@ -1,5 +1,6 @@
 """How a server process is configured before it serves: logging, Python's thread switch interval, the heap
-thresholds, and the request body uvicorn buffers.
+thresholds, the request body uvicorn buffers, and (for a supervisor's children) stopping when the supervisor
+is gone.
 
 Thread switch interval (``GIL_SWITCH_INTERVAL_S``): engine threads wait up to this long for the GIL while the
 event loop is busy; Python's default is 5 ms.
@@ -22,8 +23,11 @@ import ctypes.util
 import faulthandler
 import importlib
 import logging
+import multiprocessing
+import multiprocessing.connection
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from service.settings import ServiceSettings
@@ -104,3 +108,19 @@ def set_body_buffer(limit: int) -> list[str]:
             module.HIGH_WATER_LIMIT = limit
             changed.append(name)
     return changed
+
+
+def stop_when_orphaned(on_orphaned: Callable[[], None]) -> None:
+    """Call ``on_orphaned`` (on a daemon thread) once the supervisor is gone. Why: a supervisor killed with
+    -9 (the OOM killer, a careless script) cannot stop its children, and orphaned workers would go on
+    serving on its port and holding the GPU, with nobody to restart or stop them."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("the supervisor (pid %s) is gone: this process stops too", parent.pid)
+        on_orphaned()
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()

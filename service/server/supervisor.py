@@ -1,14 +1,17 @@
-"""Several server processes on one port: a supervisor, its workers and one engine process (workers > 1).
+"""Several server processes on one port: a supervisor, its workers and one engine process per device (workers
+> 1, or more than one device).
 
 Why: one Python event loop spends a few hundred microseconds of CPU on every request (HTTP parsing, the
 body, the response). On a GPU that runs MobileNetV3 in about half a millisecond, one loop caps the
 server well below the GPU (bench/results/service-*-cuda.json). N worker processes listen on one port, each
-with its own batchers, and one engine process (``runtime.engine_process``) owns the device and runs every
-worker's batches in one CUDA context.
+with its own batchers, and one engine process per device (``runtime.engine_process``, ``server.engines``) owns
+that device and runs every worker's batches in one CUDA context; with several devices each worker spreads its
+batches over them (``runtime.engine_process.spread``).
 
 How:
 * The supervisor (this process) reserves the port (a bound socket that never listens), prints
-  ``listening on ...`` and never touches CUDA. Each worker listens on its own ``SO_REUSEPORT`` socket
+  ``listening on ...`` and holds no CUDA context (it only asked the driver how many GPUs there are:
+  ``server.placement``). Each worker listens on its own ``SO_REUSEPORT`` socket
   on that port, so the kernel spreads new connections over the workers that listen (32 connections at
   once: 6/8/8/10 over 4 workers, ad hoc check on the CPU machine). The first version shared one
   listening socket; there the worker that wakes first accepts every queued connection (asyncio takes up
@@ -32,8 +35,10 @@ How:
 * Metrics: ``PROMETHEUS_MULTIPROC_DIR`` points at a fresh folder, so ``/metrics`` from any worker covers
   all of them (``service.metrics``).
 * A worker that dies is started again (at most ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; beyond that
-  the supervisor stops everything and exits 1). On SIGTERM or SIGINT, every worker gets SIGTERM and drains
-  as a single server would, and the supervisor exits 0 once they are all gone.
+  the supervisor stops everything and exits 1). An engine process that dies: with one device every worker
+  starts again with it; with several only that device is lost and its process restarted (``server.engines``).
+  On SIGTERM or SIGINT, every worker gets SIGTERM and drains as a single server would, then the engine
+  processes stop, and the supervisor exits 0 once they are all gone.
 """
 
 from __future__ import annotations
@@ -49,28 +54,35 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import buffer_folder
-from service.server.process import configure_process
+from service.server.engines import (
+    KILL_AFTER_GRACE_S,
+    MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    EngineProcesses,
+    engine_addresses,
+    forget_metrics_of,
+)
+from service.server.process import configure_process, stop_when_orphaned
 from service.server.run import run_server
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service.workers")
 
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 60.0
 _POLL_S = 0.2
-_KILL_AFTER_GRACE_S = 15.0
 
 
-def serve_workers(settings: ServiceSettings) -> int:
-    """Bind, run ``settings.workers`` workers until a signal, return the exit status."""
+def serve_workers(settings: ServiceSettings, devices: Sequence[Device]) -> int:
+    """Bind, run ``settings.workers`` workers and one engine process per device until a signal, return the exit
+    status."""
     configure_process(settings)
     try:
         sock = reserve_port(settings.host, settings.port)
@@ -93,11 +105,13 @@ def serve_workers(settings: ServiceSettings) -> int:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         scheme = "https" if settings.tls_cert_file is not None else "http"
-        print(f"listening on {scheme}://{shown}:{port} ({settings.workers} workers, one engine process)", flush=True)
+        supervisor = Supervisor(settings, sock, devices, engine_addresses(engine_dir, len(devices)))
+        engines = supervisor.engines.describe()
+        print(f"listening on {scheme}://{shown}:{port} ({settings.workers} workers, {engines})", flush=True)
         if grpc_sock is not None:
             tls = " (TLS)" if settings.tls_cert_file is not None else ""
             print(f"listening on grpc://{shown}:{settings.grpc_port}{tls}", flush=True)
-        return Supervisor(settings, sock, engine_host_address(engine_dir)).run()
+        return supervisor.run()
     finally:
         sock.close()
         if grpc_sock is not None:
@@ -105,11 +119,6 @@ def serve_workers(settings: ServiceSettings) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(engine_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-
-
-def engine_host_address(folder: Path) -> HostAddress:
-    """The engine process's socket and buffers in ``folder`` (private to this user), with a fresh key."""
-    return HostAddress(socket_path=str(folder / "engine.sock"), authkey=os.urandom(32), buffer_dir=str(folder))
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -149,15 +158,15 @@ class _Worker:
 
 
 class Supervisor:
-    """Starts, watches, restarts and stops the worker processes."""
+    """Starts, watches, restarts and stops the worker processes and the engine processes."""
 
-    def __init__(self, settings: ServiceSettings, reserved: socket.socket, engine_host: HostAddress):
+    def __init__(self, settings: ServiceSettings, reserved: socket.socket, devices: Sequence[Device],
+                 engine_hosts: Sequence[HostAddress]):
         self.settings = settings
         self.host, self.port = settings.host, int(reserved.getsockname()[1])
         self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
         self.workers: dict[int, _Worker] = {}
-        self.engine_host = engine_host
-        self.engine_process: Any = None
+        self.engines = EngineProcesses(self.ctx, settings, devices, engine_hosts)
         self.stopping = False
         self.announced = False  # the "ready" line went out for the workers running now
         self.restarts: collections.deque[float] = collections.deque()
@@ -176,8 +185,8 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _start_all(self, *, first_start: bool) -> bool:
-        """The engine process until it listens, worker 0 until loaded, then the others."""
-        if not self._start_engine_process():
+        """The engine processes until they listen, worker 0 until loaded, then the others."""
+        if not self.engines.start_all(lambda: self.stopping):
             return False
         first = self._start(0, first_start=first_start)
         self._wait_started(first)
@@ -186,28 +195,15 @@ class Supervisor:
                 self._start(index, first_start=False)
         return True
 
-    def _start_engine_process(self) -> bool:
-        ready = self.ctx.Event()
-        args = (self.settings, self.engine_host, ready)
-        process = self.ctx.Process(target=_engine_process_main, args=args, name="service-engines")
-        process.start()
-        log.info("engine process started (pid %d)", process.pid)
-        self.engine_process = process
-        while not (self.stopping or ready.is_set() or not process.is_alive()):
-            ready.wait(_POLL_S)
-        if not ready.is_set() and not self.stopping:
-            log.error("the engine process exited with %s before it listened", process.exitcode)
-            return False
-        return True
-
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: stopping %d worker(s)", signal.Signals(signum).name, len(self.workers))
         self.stopping = True
 
     def _start(self, index: int, *, first_start: bool) -> _Worker:
         started, loaded = self.ctx.Event(), self.ctx.Event()
+        engines = self.engines
         args = (self.settings, self.host, self.port, index, first_start and index == 0, (started, loaded),
-                self.engine_host, self.connection_counts)
+                (engines.devices, engines.addresses, engines.board_slots), self.connection_counts)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
@@ -233,11 +229,15 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             self._log_ready()
-            sentinels = [w.process.sentinel for w in self.workers.values()]
-            if self.engine_process is not None:
-                sentinels.append(self.engine_process.sentinel)
+            sentinels = [w.process.sentinel for w in self.workers.values()] + self.engines.sentinels()
             multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
-            if not self.stopping and self.engine_process is not None and not self.engine_process.is_alive():
+            if self.stopping:
+                break
+            if self.engines.several:
+                if not self.engines.follow():
+                    log.error("no device serves any more: giving up")
+                    return 1
+            elif self.engines.any_dead():
                 if not self._restart_everything():
                     return 1
                 continue
@@ -254,9 +254,11 @@ class Supervisor:
         return 0
 
     def _restart_everything(self) -> bool:
-        """The engine process died: every worker's engines went with it, so all start again."""
+        """The engine process of the one device died: every worker's engines went with it, so all start again."""
+        (slot,) = self.engines.slots
         log.error("the engine process (pid %d) exited with %s: restarting it and every worker",
-                  self.engine_process.pid, self.engine_process.exitcode)
+                  slot.process.pid, slot.process.exitcode)
+        self.engines.forget_dead()
         while True:
             if not self._may_restart():
                 log.error("%d restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
@@ -264,6 +266,7 @@ class Supervisor:
             self._stop_workers()
             self.workers.clear()
             self.announced = False
+            self.engines.stop_all()  # what is left of it
             if self._start_all(first_start=False) or self.stopping:
                 return True
 
@@ -277,24 +280,16 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
-        """The workers (they drain and let go of their engines), then the engine process."""
+        """The workers (they drain and let go of their engines), then the engine processes."""
         self._stop_workers()
-        process, self.engine_process = self.engine_process, None
-        if process is not None:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-            process.join(_KILL_AFTER_GRACE_S)
-            if process.is_alive():
-                log.error("the engine process did not stop in time: killing it")
-                process.kill()
-                process.join(5)
+        self.engines.stop_all()
 
     def _stop_workers(self) -> None:
         """SIGTERM to every worker (each drains like a single server), then wait; kill what overstays."""
         for worker in self.workers.values():
             if worker.process.is_alive():
                 os.kill(worker.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s + _KILL_AFTER_GRACE_S
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + KILL_AFTER_GRACE_S
         for worker in self.workers.values():
             worker.process.join(max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
@@ -305,68 +300,8 @@ class Supervisor:
 
     def _forget(self, worker: _Worker) -> None:
         """A worker that exited: its live metrics go, and it holds no connections any more."""
-        _forget_metrics_of(worker.process.pid)
+        forget_metrics_of(worker.process.pid)
         self.connection_counts[worker.index] = 0
-
-
-def _forget_metrics_of(pid: int | None) -> None:
-    """Drop a dead worker's live gauges (queue depth, loaded models) from the merged metrics."""
-    if pid is None or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return
-    from prometheus_client import multiprocess
-
-    try:
-        multiprocess.mark_process_dead(pid)
-    except OSError as exc:
-        log.warning("could not clear the metrics of pid %d: %s", pid, exc)
-
-
-def _stop_when_orphaned(on_orphaned: Any) -> None:
-    """Call ``on_orphaned`` (on a daemon thread) once the supervisor is gone. Why: a supervisor killed with
-    -9 (the OOM killer, a careless script) cannot stop its children, and orphaned workers would go on
-    serving on its port and holding the GPU, with nobody to restart or stop them."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.error("the supervisor (pid %s) is gone: this process stops too", parent.pid)
-        on_orphaned()
-
-    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
-
-
-def _engine_process_main(settings: ServiceSettings, address: HostAddress, ready: Any) -> None:
-    """The engine process (``runtime.engine_process.host``): serves the workers until SIGTERM.
-
-    SIGINT is ignored: a Ctrl-C in a terminal reaches the whole process group, and the supervisor stops
-    the workers first (they drain through this process), then this one.
-    """
-    from service.metrics import EngineProcessMetrics
-    from service.runtime.engine_process.host import EngineHost
-
-    configure_process(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    metrics = EngineProcessMetrics()
-    host = EngineHost(address, observe=metrics.observe_call, observe_page_lock=metrics.observe_page_lock)
-    host.start()
-    log.info("engine process (pid %d) listening on %s", os.getpid(), address.socket_path)
-
-    def when_orphaned() -> None:  # the workers stop too, draining through this process: wait for them
-        deadline = time.monotonic() + settings.shutdown_grace_s + _KILL_AFTER_GRACE_S
-        while host.engines() and time.monotonic() < deadline:
-            stop.wait(0.2)
-        stop.set()
-
-    _stop_when_orphaned(when_orphaned)
-    ready.set()
-    while not stop.wait(1.0):
-        pass
-    host.close()
-    sys.exit(0)
 
 
 def _worker_main(
@@ -376,10 +311,11 @@ def _worker_main(
     index: int,
     prepare_store: bool,
     events: tuple[Any, Any],
-    engine_host: HostAddress,
+    engines: tuple[list[Device], list[HostAddress], Any],
     connection_counts: Any,
 ) -> None:
-    """One worker process: the app on the shared socket, its engines in the engine process.
+    """One worker process: the app on the shared socket, its engines in the engine processes (``engines``: the
+    devices, their engine processes' addresses and the device board's shared slots).
 
     Only the very first worker prepares the store and answers while it loads; the others accept connections
     once their models are loaded, so the shared port never routes to a worker that cannot serve. ``events``:
@@ -387,13 +323,15 @@ def _worker_main(
     from service.api.app import create_app
     from service.metrics import Metrics
     from service.registry.manager import ModelManager
-    from service.runtime.engine_process.client import RemoteEngineLoader
     from service.server.balance import ConnectionBalancer
 
     configure_process(settings)
     metrics = Metrics()
+    devices, addresses, board_slots = engines
+    metrics.set_devices(len(devices))
+    loader, board = _engine_loader(devices, addresses, board_slots)
     manager = ModelManager(settings, metrics=metrics, prepare_store=prepare_store, follow_store=True,
-                           engine_loader=RemoteEngineLoader(engine_host))
+                           engine_loader=loader, devices=board)
     started, loaded = events
 
     def on_started() -> None:
@@ -404,7 +342,21 @@ def _worker_main(
 
     app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=on_started)
     log.info("worker %d (pid %d) loading models", index, os.getpid())
-    _stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
+    stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)
     balancer = ConnectionBalancer(connection_counts, index)
     sys.exit(run_server(settings, app, sockets=[sock], announce=False, balancer=balancer, grpc_reuse_port=True))
+
+
+def _engine_loader(devices: list[Device], addresses: list[HostAddress], board_slots: Any) -> tuple[Any, Any]:
+    """One device: the plain engine-process client (no spreading step). Several: the spreading one, and the
+    board it follows (readiness and metadata report lost devices from it)."""
+    from service.runtime.engine_process.client import RemoteEngineLoader
+
+    if len(devices) == 1:
+        return RemoteEngineLoader(addresses[0]), None
+    from service.runtime.engine_process.devices import DeviceBoard
+    from service.runtime.engine_process.spread import SpreadEngineLoader
+
+    board = DeviceBoard(devices, board_slots)
+    return SpreadEngineLoader(board, addresses), board

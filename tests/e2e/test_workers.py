@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -37,12 +38,16 @@ def child_pids(supervisor_pid: int) -> set[int]:
     return pids
 
 
+ENGINE_SOCKET = re.compile(r"/engine-\d+\.sock$")
+
+
 def is_engine_process(pid: int) -> bool:
-    """The engine process is the one listening on the Unix socket ``engine.sock``."""
+    """An engine process is one listening on a Unix socket ``engine-N.sock`` (N: its device's index)."""
     try:
-        return any(str(c.laddr).endswith("engine.sock") for c in psutil.Process(pid).net_connections(kind="unix"))
+        conns = psutil.Process(pid).net_connections(kind="unix")
     except (psutil.ZombieProcess, psutil.NoSuchProcess):
         return False
+    return any(ENGINE_SOCKET.search(str(c.laddr)) for c in conns)
 
 
 def engine_pid(supervisor_pid: int) -> int | None:

@@ -34,7 +34,12 @@ RUN_TIMEOUT_S = 300.0
 """A batch the engine process has not answered in this long fails, and the engine is given up."""
 CLOSE_TIMEOUT_S = 30.0
 IN_FLIGHT = 2
-"""Batches a worker keeps in flight per model version (one connection each)."""
+"""Batches a worker keeps in flight per model version and device (one connection each)."""
+
+
+class EngineGoneError(EngineError):
+    """The engine process cannot be reached or stopped answering: its device is lost to this connection (a
+    model's own failure arrives as the error the engine raised, never as this)."""
 
 
 class RemoteEngineLoader:
@@ -47,6 +52,11 @@ class RemoteEngineLoader:
         self.in_flight = in_flight
 
     def __call__(self, request: LoadRequest) -> LoadedEngine:
+        engines, loaded = self.connect_all(request)
+        return LoadedEngine(RemoteEnginePool(engines), loaded.record)
+
+    def connect_all(self, request: LoadRequest) -> tuple[list[RemoteEngine], protocol.Loaded]:
+        """``in_flight`` connections to the engine of ``request`` and what the first one learnt of it."""
         first, loaded = self._connect(request)
         engines = [first]
         try:  # the engine process shares one engine among these connections: no second tuning
@@ -55,7 +65,7 @@ class RemoteEngineLoader:
             for engine in engines:
                 engine.close()
             raise
-        return LoadedEngine(RemoteEnginePool(engines), loaded.record)
+        return engines, loaded
 
     def _connect(self, request: LoadRequest) -> tuple[RemoteEngine, protocol.Loaded]:
         try:
@@ -63,13 +73,13 @@ class RemoteEngineLoader:
                 self.address.socket_path, family="AF_UNIX", authkey=self.address.authkey
             )
         except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
-            raise EngineError(f"cannot reach the engine process: {type(exc).__name__}") from exc
+            raise EngineGoneError(f"cannot reach the engine process: {type(exc).__name__}") from exc
         try:
             protocol.send(conn, protocol.Load(request))
             reply = protocol.receive(conn, protocol.Loaded, protocol.Failed)  # no timeout: the tuner takes minutes
         except (OSError, EOFError) as exc:
             conn.close()
-            raise EngineError("the engine process stopped while loading the model") from exc
+            raise EngineGoneError("the engine process stopped while loading the model") from exc
         if isinstance(reply, protocol.Failed):
             conn.close()
             raise reply.exception()
@@ -137,11 +147,11 @@ class RemoteEngine:
             protocol.send(self._conn, message)
             if not self._selector.select(RUN_TIMEOUT_S):
                 self._give_up()
-                raise EngineError(f"the engine process did not answer within {RUN_TIMEOUT_S:g} s")
+                raise EngineGoneError(f"the engine process did not answer within {RUN_TIMEOUT_S:g} s")
             reply = protocol.receive(self._conn, protocol.Ran, protocol.Failed)
         except (OSError, EOFError) as exc:
             self._give_up()
-            raise EngineError("the engine process is gone") from exc
+            raise EngineGoneError("the engine process is gone") from exc
         if isinstance(reply, protocol.Failed):
             raise reply.exception()
         return reply
@@ -253,4 +263,4 @@ def _layout(signature: Signature, parts: Sequence[Mapping[str, np.ndarray]]) -> 
     return layout, nbytes, rows
 
 
-__all__ = ["IN_FLIGHT", "RemoteEngine", "RemoteEngineLoader", "RemoteEnginePool"]
+__all__ = ["IN_FLIGHT", "EngineGoneError", "RemoteEngine", "RemoteEngineLoader", "RemoteEnginePool"]

@@ -22,6 +22,8 @@ How:
   ran the engine while this one read and answered measured no gain in the service and a lone request 0.5 ms
   slower (docs/benchmarks.md); a thread per connection cost 0.6 ms per lone request.
 * A worker that dies closes its connection: its references go, and an engine nobody uses is closed.
+* With several devices there is one such process per device (``devices.Device``): every load is pinned to
+  this process's device, whatever the worker asked, so one process never touches another's GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from service.errors import EngineError
 from service.runtime.batching import group_consecutive, shape_key, split_rows
 from service.runtime.contract import Engine, LoadedEngine, LoadRequest, PageLocker
 from service.runtime.engine_process import protocol
+from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
 from service.runtime.loading import load_in_process
 
@@ -306,9 +309,11 @@ class EngineHost:
 
     def __init__(
         self, address: HostAddress, *, loader: Loader = load_in_process, observe: BatchObserver | None = None,
-        observe_page_lock: PageLockObserver | None = None,
+        observe_page_lock: PageLockObserver | None = None, device: Device | None = None,
     ) -> None:
         self.address = address
+        self.device = device
+        """Where every engine of this process runs (None: where each request's options say)."""
         self._loader = loader
         self._observe = observe
         self._observe_page_lock = observe_page_lock
@@ -361,6 +366,8 @@ class EngineHost:
 
     # ------------------------------------------------------------------ engines
     def _acquire(self, request: LoadRequest) -> HostedEngine:
+        if self.device is not None:
+            request = dataclasses.replace(request, options=self.device.pin(request.options))
         key = engine_key(request)
         with self._lock:
             key_lock = self._loading.setdefault(key, threading.Lock())
@@ -377,7 +384,8 @@ class EngineHost:
             hosted.start()
             with self._lock:
                 self._engines[key] = hosted
-            log.info("engine process: loaded %s (%s)", sorted(request.files), hosted.loaded_message().variant)
+            where = f" on {self.device.label}" if self.device is not None else ""
+            log.info("engine process: loaded %s%s (%s)", sorted(request.files), where, hosted.loaded_message().variant)
             return hosted
 
     def _release(self, hosted: HostedEngine) -> None:

@@ -67,3 +67,26 @@ def test_engine_process_reports_page_locked_bytes() -> None:
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     (sample,) = families["service_engine_process_page_locked_bytes"].samples
     assert sample.value == 5 << 20
+
+
+def test_engine_process_series_carry_its_device_and_it_counts_as_serving() -> None:
+    from prometheus_client import generate_latest
+
+    from service.metrics import EngineProcessMetrics, Metrics
+
+    metrics = EngineProcessMetrics(device="cuda:1")
+    metrics.observe_call("net", 8)
+    metrics.observe_call("net", 3)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    counts = [s for s in families["service_engine_process_batch_size"].samples if s.name.endswith("_count")]
+    assert [(s.labels, s.value) for s in counts] == [({"model": "net", "device": "cuda:1"}, 2)]
+    (locked,) = families["service_engine_process_page_locked_bytes"].samples
+    assert locked.labels == {"device": "cuda:1"} and locked.value == 0
+    assert families["service_devices_serving"].samples[0].value == 0
+    metrics.set_serving()
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    assert families["service_devices_serving"].samples[0].value == 1
+    worker = Metrics()
+    assert _samples(worker)[("service_devices", ())] == 1  # a server of one device
+    worker.set_devices(2)
+    assert _samples(worker)[("service_devices", ())] == 2
