@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 # a dated result file name: <name>-YYYY-MM-DD[-label].json|log
 NAME = re.compile(r"\b[a-z0-9]+(?:-[a-z0-9]+)*-20\d\d-\d\d-\d\d(?:-[a-z0-9]+)*\.(?:json|log)\b")
-SCOPE = ("README.md", "loadtests/*.md", "docs/**/*.md", "bench/*.md", "bench/*.py", "bench/*.sh", "service/**/*.py", "kernels/**/*.md",
-         "kernels/**/*.py", "docker/**/*.yaml", "docker/**/*.yml")
+SCOPE = ("README.md", "loadtests/*.md", "docs/**/*.md", "bench/*.md", "bench/*.py", "bench/*.sh", "service/**/*.py",
+         "kernels/**/*.md", "kernels/**/*.py", "docker/**/*.yaml", "docker/**/*.yml")
 
 
 def cited_names() -> dict[str, set[str]]:
