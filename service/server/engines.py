@@ -39,6 +39,18 @@ log = logging.getLogger("service.workers")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+
+
+def may_restart(restarts: collections.deque[float]) -> bool:
+    """Record one more restart in ``restarts`` (their monotonic times) unless ``MAX_RESTARTS`` already fell
+    within the last ``RESTART_WINDOW_S``; False: give up."""
+    now = time.monotonic()
+    while restarts and now - restarts[0] > RESTART_WINDOW_S:
+        restarts.popleft()
+    if len(restarts) >= MAX_RESTARTS:
+        return False
+    restarts.append(now)
+    return True
 KILL_AFTER_GRACE_S = 15.0
 _POLL_S = 0.2
 
@@ -158,22 +170,13 @@ class EngineProcesses:
         log.error("device %s %s: its engine process (pid %d) exited with %s; serving on %s",
                   slot.device.label, "lost" if was_serving else "did not come back", slot.process.pid,
                   slot.process.exitcode, ", ".join(serving) or "no device")
-        if self._may_restart(slot):
+        if may_restart(slot.restarts):
             self._spawn(slot)
             return
         log.error("device %s: %d restarts within %.0f s: it stays down", slot.device.label, MAX_RESTARTS,
                   RESTART_WINDOW_S)
         slot.process = None
 
-    @staticmethod
-    def _may_restart(slot: EngineSlot) -> bool:
-        now = time.monotonic()
-        while slot.restarts and now - slot.restarts[0] > RESTART_WINDOW_S:
-            slot.restarts.popleft()
-        if len(slot.restarts) >= MAX_RESTARTS:
-            return False
-        slot.restarts.append(now)
-        return True
 
     # ------------------------------------------------------------------ stopping
     def stop_all(self) -> None:

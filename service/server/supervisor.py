@@ -70,6 +70,7 @@ from service.server.engines import (
     EngineProcesses,
     engine_addresses,
     forget_metrics_of,
+    may_restart,
 )
 from service.server.process import configure_process, stop_when_orphaned
 from service.server.run import run_server
@@ -247,7 +248,7 @@ class Supervisor:
                 self._forget(worker)
                 log.error("worker %d (pid %d) exited with %s", worker.index, worker.process.pid,
                           worker.process.exitcode)
-                if not self._may_restart():
+                if not may_restart(self.restarts):
                     log.error("%d worker restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
                     return 1
                 self._start(worker.index, first_start=False)
@@ -260,7 +261,7 @@ class Supervisor:
                   slot.process.pid, slot.process.exitcode)
         self.engines.forget_dead()
         while True:
-            if not self._may_restart():
+            if not may_restart(self.restarts):
                 log.error("%d restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
                 return False
             self._stop_workers()
@@ -269,15 +270,6 @@ class Supervisor:
             self.engines.stop_all()  # what is left of it
             if self._start_all(first_start=False) or self.stopping:
                 return True
-
-    def _may_restart(self) -> bool:
-        now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
-            self.restarts.popleft()
-        if len(self.restarts) >= MAX_RESTARTS:
-            return False
-        self.restarts.append(now)
-        return True
 
     def _stop_all(self) -> None:
         """The workers (they drain and let go of their engines), then the engine processes."""

@@ -58,18 +58,19 @@ def test_serve_with_workers_on_a_taken_port_exits_1_saying_why(tmp_path) -> None
 def test_restarts_are_limited_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.runtime.engine_process.devices import Device
     from service.runtime.engine_process.host import HostAddress
+    from service.server import engines
     from service.server import supervisor as workers
     from service.settings import ServiceSettings
 
     clock = [1000.0]
-    monkeypatch.setattr(workers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(engines.time, "monotonic", lambda: clock[0])
     reserved = reserve_port("127.0.0.1", 0)
     try:
         supervisor = workers.Supervisor(ServiceSettings(workers=2), reserved, [Device("cpu:0", None)],
                                         [HostAddress("sock", b"key", "dir")])
-        allowed = [supervisor._may_restart() for _ in range(workers.MAX_RESTARTS + 1)]
+        allowed = [workers.may_restart(supervisor.restarts) for _ in range(workers.MAX_RESTARTS + 1)]
         assert allowed == [True] * workers.MAX_RESTARTS + [False]
         clock[0] += workers.RESTART_WINDOW_S + 1
-        assert supervisor._may_restart()
+        assert workers.may_restart(supervisor.restarts)
     finally:
         reserved.close()
