@@ -5,6 +5,7 @@ still be alive and serving the model afterwards."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,8 +40,25 @@ def _check(case, server: Server) -> None:
     label = f"{case.method} {case.formatted_path}"
     assert response.status_code < 500 or response.status_code == 503, (label, response.text[:300])
     if response.status_code >= 400:
-        assert_no_leak(response.text, Path(server.model_dir))
+        assert_no_leak(_without_echoes(response.text, case), Path(server.model_dir))
         assert set(response.json()) <= {"error", "ready"}, (label, response.text[:300])
+
+
+def _sent_values(case) -> list[str]:
+    """The path and query values the client sent, as text."""
+    values: list[str] = []
+    for part in (case.path_parameters, case.query):
+        for value in (part or {}).values():
+            values.extend(str(v) for v in (value if isinstance(value, list) else [value]))
+    return [v for v in values if v]
+
+
+def _without_echoes(text: str, case) -> str:
+    """``text`` with the client's own path and query values cut out (verbatim and JSON-escaped): an error
+    that names the model the client asked for reveals nothing, so only what is left is checked for leaks."""
+    for value in sorted(_sent_values(case), key=len, reverse=True):
+        text = text.replace(json.dumps(value)[1:-1], "").replace(value, "")
+    return text
 
 
 def _fuzz(operation, server: Server, calls: dict[str, int]) -> None:
