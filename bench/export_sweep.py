@@ -264,6 +264,8 @@ def _report_fields(report: dict) -> dict:
         # outputs compared as sets of detections: their detection count in every verification run
         "verify_unordered_rows": report.get("verify_unordered_rows") or {},
         "verify_selection_inputs": report.get("verify_selection_inputs") or [],
+        # detections differed as sets (ties) and verified cut at this many selections, fed the original's
+        "verify_fed_selections": len(report.get("verify_fed_selections") or []),
     }
 
 
@@ -284,7 +286,8 @@ def failures(row: dict) -> list[str]:
 def _detections(row: dict) -> str:
     """``boxes 0-12`` per set-compared output: the fewest and most detections over the verification runs."""
     rows = row.get("verify_unordered_rows") or {}
-    return " ".join(f"{name} {min(n)}-{max(n)}" for name, n in rows.items() if n)
+    text = " ".join(f"{name} {min(n)}-{max(n)}" for name, n in rows.items() if n)
+    return f"{text} (ties: {row['verify_fed_selections']} selections fed)" if row.get("verify_fed_selections") else text
 
 
 def _table(rows: list[dict]) -> str:

@@ -117,6 +117,8 @@ def optimize(
         report.verify_input_kinds = list(result.input_kinds)
         report.verify_unordered_rows = {name: list(rows) for name, rows in result.unordered_rows.items()}
         report.verify_selection_inputs = list(result.selection_inputs)
+        report.verify_fed_selections = list(result.fed_selections)
+        report.verify_set_mismatch = result.set_mismatch
     report.duration_s = time.perf_counter() - started
     return optimized, report
 

@@ -69,6 +69,10 @@ class OptimizationReport:
     """Outputs compared as sets of detections: their detection count in every verification run."""
     verify_selection_inputs: list[str] = dataclasses.field(default_factory=list)
     """NonMaxSuppression/TopK inputs compared element by element besides the outputs."""
+    verify_fed_selections: list[str] = dataclasses.field(default_factory=list)
+    """Set when detections differed as sets (``verify_set_mismatch``, how ties fell) and the model was
+    verified cut at these selections, fed with the original's results (``optimizer.verify_fed``)."""
+    verify_set_mismatch: str = ""
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +117,11 @@ class OptimizationReport:
         lines = []
         if self.verify_selection_inputs:
             lines.append("  NonMaxSuppression/TopK inputs compared: " + ", ".join(self.verify_selection_inputs))
+        if self.verify_fed_selections:
+            lines.append(
+                f"  detections differed as sets ({self.verify_set_mismatch}); verified with the original's"
+                f" results of {len(self.verify_fed_selections)} NonMaxSuppression/TopK selections fed in"
+            )
         for name, rows in self.verify_unordered_rows.items():
             if any(rows):
                 lines.append(

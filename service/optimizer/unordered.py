@@ -70,7 +70,7 @@ def selections(model: onnx.ModelProto) -> list[Selection]:
 
 def has_selection(model: onnx.ModelProto) -> bool:
     """True when the model holds a NonMaxSuppression or TopK anywhere (subgraphs included)."""
-    return any(_holds_selection(node) for node in model.graph.node)
+    return any(holds_selection(node) for node in model.graph.node)
 
 
 def unordered_tensors(model: onnx.ModelProto) -> dict[str, Unordered]:
@@ -101,7 +101,7 @@ class _Walk:
         if node.op_type in SELECTION_INPUTS and node.domain in ("", "ai.onnx"):
             axes = [self._source_axis(node, inputs)] * len(node.output)
             sources |= {index}
-        elif node.op_type in _SUBGRAPH_OPS and _holds_selection(node):
+        elif node.op_type in _SUBGRAPH_OPS and holds_selection(node):
             axes, sources = [None] * len(node.output), sources | {index}
         elif not tainted:
             return
@@ -157,12 +157,13 @@ _ORDERED = object()
 Rule = Callable[[_Walk, onnx.NodeProto, list], list]
 
 
-def _holds_selection(node: onnx.NodeProto) -> bool:
+def holds_selection(node: onnx.NodeProto) -> bool:
+    """A NonMaxSuppression or TopK, or a control-flow node with one anywhere in its bodies."""
     if node.op_type in SELECTION_INPUTS and node.domain in ("", "ai.onnx"):
         return True
     for a in node.attribute:
         graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        if any(_holds_selection(inner) for graph in graphs for inner in graph.node):
+        if any(holds_selection(inner) for graph in graphs for inner in graph.node):
             return True
     return False
 

@@ -35,6 +35,14 @@ greedy pairing no detection steals another's only partner. Matched pairs then co
 unordered output whose detection axis the walk lost is compared along its leading axis, so a detection's
 own values are never treated as a set.
 
+**Ties.** Where detections find no partner, ties may have fallen differently (candidates scored equal
+within the tolerance: an untrained SSDLite scores every anchor of a class alike) or the rewrite is wrong.
+Verification then runs again on the same inputs with the optimized model cut at its selections and fed
+the original's selection results (``service.optimizer.verify_fed``): every output and every tensor a
+selection reads must then match element by element, in order. It passes only so, and the result names
+the set mismatch and the selections fed (``set_mismatch``, ``fed_selections``); where the selections are
+not the same nodes in both models, the set mismatch is the answer.
+
 **Selection inputs** (NMS boxes and scores, TopK's data) are compared too, as extra outputs of the
 verification copies (``service.optimizer.verify_targets``): with untrained weights a detector often selects
 nothing, and the result records how many detections each unordered output had in every run
@@ -56,6 +64,7 @@ import onnxruntime as ort
 
 from service.errors import OptimizationError, VerificationError
 from service.optimizer.row_matching import closest_miss, match_rows
+from service.optimizer.verify_fed import FedPlan, fed_plan
 from service.optimizer.verify_inputs import (
     INPUT_KINDS,
     KIND_TEXT,
@@ -109,6 +118,14 @@ class VerificationResult:
     run order (batch sizes ascending, trials within). All zeros: the detections themselves were never compared."""
     selection_inputs: tuple[str, ...] = ()
     """The NonMaxSuppression/TopK inputs compared in addition to the outputs (the original's names)."""
+    fed_selections: tuple[str, ...] = ()
+    """Set when detections differed as sets (``set_mismatch``) and the model was verified again cut at
+    these selections, fed with the original's results (``service.optimizer.verify_fed``)."""
+    set_mismatch: str = ""
+
+
+class _SetMismatch(VerificationError):
+    """Detections that found no partner: a wrong rewrite, or ties that fell differently."""
 
 
 def check_tolerance(rtol: float, atol: float) -> None:
@@ -145,12 +162,17 @@ def verify_equivalent(
     targets = plan(reference, candidate)
     comparison = _Comparison(targets, rtol, atol)
     runs = max(1, trials, len(INPUT_KINDS) if targets.has_selection else 1)
-    rng = np.random.default_rng(seed)
-    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
-        if not comparison.run_batch(batch, runs, rng):
-            log.info("the original model does not run at batch %d: not compared there", batch)
-    if not comparison.compared:
-        raise OptimizationError(f"the original model fails to run on ONNX Runtime: {comparison.first_failure}")
+    fed: FedPlan | None = None
+    try:
+        _run_all(comparison, batch_sizes, runs, seed)
+    except _SetMismatch as mismatch:
+        fed = fed_plan(reference, candidate)
+        if fed is None:
+            raise
+        log.info("%s; verifying again with the original's %d selections fed in", mismatch, len(fed.selections))
+        comparison.set_mismatch = str(mismatch)
+        final = _run_fed(_FedComparison(fed, rtol, atol), batch_sizes, runs, seed, mismatch)
+        comparison.max_abs, comparison.max_rel, comparison.compared = final.max_abs, final.max_rel, final.compared
     empty = [key for key, rows in comparison.rows.items() if not any(rows)]
     if empty:
         log.warning("no detections in any verification run of %s: only the NMS/TopK inputs were compared", empty)
@@ -163,7 +185,30 @@ def verify_equivalent(
         input_kinds=tuple(kind_of_trial(t) for t in range(runs)),
         unordered_rows={key: tuple(rows) for key, rows in comparison.rows.items()},
         selection_inputs=tuple(t.reference for t in targets.targets if not t.is_output),
+        fed_selections=fed.selections if fed is not None else (),
+        set_mismatch=comparison.set_mismatch,
     )
+
+
+def _run_all(comparison: _Comparison, batch_sizes: Sequence[int], runs: int, seed: int) -> None:
+    """Every batch size, ``runs`` input sets each, from the seed (so a second comparison sees the same)."""
+    rng = np.random.default_rng(seed)
+    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
+        if not comparison.run_batch(batch, runs, rng):
+            log.info("the original model does not run at batch %d: not compared there", batch)
+    if not comparison.compared:
+        raise OptimizationError(f"the original model fails to run on ONNX Runtime: {comparison.first_failure}")
+
+
+def _run_fed(
+    comparison: _FedComparison, batch_sizes: Sequence[int], runs: int, seed: int, mismatch: _SetMismatch
+) -> _FedComparison:
+    """``_run_all`` with the selections fed in; a mismatch there names the set mismatch that led to it."""
+    try:
+        _run_all(comparison, batch_sizes, runs, seed)
+    except VerificationError as exc:
+        raise VerificationError(f"{mismatch}; with the original's NMS/TopK results fed in: {exc}") from None
+    return comparison
 
 
 class _Comparison:
@@ -183,6 +228,7 @@ class _Comparison:
         self.compared: list[int] = []
         self.rows: dict[str, list[int]] = {t.key: [] for t in self.targets if t.unordered is not None}
         self.first_failure = ""
+        self.set_mismatch = ""
 
     def run_batch(self, batch: int, trials: int, rng: np.random.Generator) -> bool:
         """Compare ``trials`` input sets at one batch size.
@@ -246,7 +292,7 @@ class _Comparison:
             kind = "outputs" if all(t.is_output for t, *_ in members) else "tensors"
             label = members[0][0].label if len(members) == 1 else f"{kind} {names}"
             origin = self._origin(members[0][0].unordered.sources)
-            raise VerificationError(
+            raise _SetMismatch(
                 f"{label} {where}: {unmatched} of {groups * rows} detections {'has' if unmatched == 1 else 'have'}"
                 f" no match within rtol {tolerance_text(self.rtol)}/atol {tolerance_text(self.atol)} (largest"
                 f" |diff| {worst:.3g}, in '{members[part][0].key}'; compared as a set: the order comes from {origin})"
@@ -317,6 +363,51 @@ class _Comparison:
                 f" (got {got64[index]:.6g}, expected {exp64[index]:.6g}; output scale {scale:.3g},"
                 f" rtol {tolerance_text(self.rtol)}, atol {tolerance_text(self.atol)})"
             )
+
+
+class _FedComparison(_Comparison):
+    """The optimized model cut at its selections and fed the original's results (``verify_fed``): every
+    output and every tensor a selection reads, element by element and in order."""
+
+    def __init__(self, fed: FedPlan, rtol: float, atol: float) -> None:  # not super(): that builds the uncut pair
+        self.fed = fed
+        self.reference = _session(fed.reference_bytes, "original")
+        self.cut: ort.InferenceSession | None = None  # built at the first run: the fed values give its input types
+        self.rtol, self.atol = rtol, atol
+        self.specs = _input_specs(self.reference)
+        self.max_abs = self.max_rel = 0.0
+        self.compared = []
+        self.first_failure = ""
+
+    def run_batch(self, batch: int, trials: int, rng: np.random.Generator) -> bool:
+        names = [*self.fed.fed, *(ref for ref, _ in self.fed.compared)]
+        for trial in range(trials):
+            kind = kind_of_trial(trial)
+            feeds = random_feeds(self.specs, batch, rng, kind)
+            try:
+                values = dict(zip(names, self.reference.run(names, feeds), strict=True))
+            except Exception as exc:
+                if trial == 0:
+                    self.first_failure = self.first_failure or _short(exc)
+                    return False
+                raise OptimizationError(f"the original model fails to run on ONNX Runtime: {_short(exc)}") from exc
+            fed = {name: values[name] for name in self.fed.fed}
+            if self.cut is None:
+                self.cut = _session(self.fed.candidate_bytes(fed), "optimized (cut at its selections)")
+            inputs = {i.name for i in self.cut.get_inputs()}
+            try:
+                got = self.cut.run(
+                    [cand for _, cand in self.fed.compared], {**{k: v for k, v in feeds.items() if k in inputs}, **fed}
+                )
+            except Exception as exc:
+                raise OptimizationError(
+                    f"the optimized model, cut at its selections, fails to run at batch {batch}: {_short(exc)}"
+                ) from exc
+            where = f"at batch {batch} ({KIND_TEXT[kind]}; the original's NMS/TopK results fed in)"
+            for (name, _), act in zip(self.fed.compared, got, strict=True):
+                self._compare(f"'{name}' {where}", np.asarray(values[name]), np.asarray(act))
+        self.compared.append(batch)
+        return True
 
 
 def _check_layout(where: str, expected: np.ndarray, got: np.ndarray) -> None:

@@ -72,8 +72,8 @@ def plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> Plan:
                for i in t.unordered.sources}  # fmt: skip
     return Plan(
         tuple(targets),
-        _with_outputs(reference, [t.reference for t in extras]),
-        _with_outputs(candidate, [t.candidate for t in extras]),
+        with_outputs(reference, [t.reference for t in extras]),
+        with_outputs(candidate, [t.candidate for t in extras]),
         True,
         sources,
     )
@@ -106,7 +106,8 @@ def _not_computed(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> bytes:
+def with_outputs(model: onnx.ModelProto, names: list[str]) -> bytes:
+    """``model``'s encoding with ``names`` appended as extra (untyped) graph outputs."""
     data = model.SerializeToString()
     if not names:
         return data

@@ -175,3 +175,40 @@ def top_pairs(*, tie_break: bool = False, index_offset: int = 0) -> onnx.ModelPr
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def tied_cutoff(*, perturb: bool = False, scale_after: float = 1.0, axis_attr: int = 1) -> onnx.ModelProto:
+    """x [N, 8] -> scores: 8 candidates that all score 0.5 whatever x (an untrained head) -> TopK(k=3) ->
+    values [N, 3] and picked = x at the selected candidates [N, 3].
+
+    With exact ties TopK keeps the first three. ``perturb`` raises the last three scores by one float32
+    step (what re-rounding does), so TopK keeps those instead: another *set* of detections from a correct
+    rewrite. ``scale_after`` scales ``picked`` after the selection (a wrong rewrite); ``axis_attr`` -1
+    writes TopK's axis another way (the same selection, not the same node)."""
+    n = helper.make_node
+    scores = np.full(8, 0.5, np.float32)
+    if perturb:
+        scores[5:] = np.nextafter(np.float32(0.5), np.float32(1.0))
+    inits = {"zero": np.array(0.0, np.float32), "c": scores, "k": np.array([3], np.int64),
+             "scale": np.array(scale_after, np.float32)}  # fmt: skip
+    nodes = [
+        n("Mul", ["x", "zero"], ["x0"]),
+        n("Add", ["x0", "c"], ["scores"]),
+        n("TopK", ["scores", "k"], ["values", "idx"], axis=axis_attr, name="topk"),
+        n("GatherElements", ["x", "idx"], ["gathered"], axis=1),
+        n("Mul", ["gathered", "scale"], ["picked"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied_cutoff",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("picked", TensorProto.FLOAT, ["N", 3]),
+        ],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model

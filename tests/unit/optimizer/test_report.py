@@ -68,3 +68,16 @@ def test_a_record_of_an_earlier_optimizer_reads_without_zero_counts() -> None:
     assert passes["fuse_bn_into_conv"].nodes_before is None and passes["fuse_bn_into_conv"].nodes_after is None
     assert (passes["fuse_conv_relu_into_fusedconv"].nodes_before, passes["fuse_conv_relu_into_fusedconv"].nodes_after) \
         == (3, 2)
+
+
+def test_a_model_verified_with_its_selections_fed_in_says_so_and_why() -> None:
+    report = OptimizationReport(
+        optimizer_version="test", config={}, verified=True, max_abs_diff=3e-5, max_rel_diff=2.7e-7, verify_rtol=1e-4, verify_atol=1e-5,
+        verify_fed_selections=["TopK 'a'", "If 'nms'"], verify_set_mismatch="49 of 300 detections have no match",
+    )  # fmt: skip
+    summary = report.summary()
+    assert "detections differed as sets (49 of 300 detections have no match)" in summary
+    assert "verified with the original's results of 2 NonMaxSuppression/TopK selections fed in" in summary
+    assert OptimizationReport.from_dict(report.to_dict()).verify_fed_selections == ["TopK 'a'", "If 'nms'"]
+    plain = OptimizationReport(optimizer_version="test", config={}, verified=True, max_abs_diff=0, max_rel_diff=0)
+    assert "fed in" not in plain.summary()

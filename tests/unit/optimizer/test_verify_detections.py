@@ -7,12 +7,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from detector_graphs import detector, top_pairs
+from detector_graphs import detector, tied_cutoff, top_pairs
 
 from service.errors import VerificationError
 from service.optimizer import OptimizerConfig, optimize
 from service.optimizer.report import OptimizationReport
 from service.optimizer.verify import verify_equivalent
+from service.optimizer.verify_fed import fed_plan
 from service.optimizer.verify_inputs import INPUT_KINDS
 from service.optimizer.verify_targets import plan
 
@@ -173,5 +174,38 @@ def test_a_set_from_several_selections_names_them_by_count(kit):
         return kit.model(nodes, [kit.inp("x", ["N", 6])], [kit.out("values", ["N", 4])], inits)
 
     assert verify_equivalent(model(1.0), model(1.0)).unordered_rows["values"][0] == 4
-    with pytest.raises(VerificationError, match=r"output 'values' at batch 1 .*the order comes from 2 TopK nodes\)$"):
+    with pytest.raises(VerificationError, match=r"output 'values' at batch 1 .*from 2 TopK nodes\); with "):
         verify_equivalent(model(1.0), model(1.5))
+
+
+def test_detections_that_differ_only_by_how_ties_fell_verify_with_the_selections_fed_in(kit):
+    reference, candidate = tied_cutoff(), tied_cutoff(perturb=True)
+    # The premise: other candidates won the ties, so the picked values differ even as sets ...
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    (_, expected), (_, got) = _run(reference, x), _run(candidate, x)
+    assert not np.isin(got, expected).any()
+    # ... and fed the original's TopK result, the rewrite computes the same.
+    result = verify_equivalent(reference, candidate)
+    assert result.fed_selections == ("TopK 'topk'",)
+    assert "no match within" in result.set_mismatch
+    assert 0 < result.max_abs_diff < 1e-6  # the one-step score difference, compared element by element
+
+
+def test_a_wrong_value_after_the_tied_selection_is_refused_with_the_selections_fed_in(kit):
+    with pytest.raises(VerificationError) as info:
+        verify_equivalent(tied_cutoff(), tied_cutoff(perturb=True, scale_after=1.01))
+    message = info.value.message
+    assert message.startswith("output 'picked' at batch 1 (") and "no match within" in message
+    assert "with the original's NMS/TopK results fed in: 'picked' at batch 1" in message
+    assert "differs from the original" in message and "\n" not in message
+
+
+def test_a_selection_that_is_not_the_same_node_is_not_cut():
+    assert fed_plan(tied_cutoff(), tied_cutoff(perturb=True)) is not None
+    assert fed_plan(tied_cutoff(), tied_cutoff(perturb=True, axis_attr=-1)) is None
+
+
+def test_no_cut_leaves_the_set_mismatch_as_it_was(kit):
+    with pytest.raises(VerificationError) as info:
+        verify_equivalent(tied_cutoff(), tied_cutoff(perturb=True, axis_attr=-1))
+    assert "no match within" in info.value.message and "fed in" not in info.value.message
