@@ -10,6 +10,7 @@ or shape that graphsurgeon already has is never overwritten, graph inputs/output
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 
 import numpy as np
@@ -40,13 +41,18 @@ def ensure_types(graph: gs.Graph) -> None:
         return
     boundary = {id(t) for t in graph.inputs} | {id(t) for t in graph.outputs}
     tensors = graph.tensors()
+    run = next(_RUNS)
     for info in inferred.graph.value_info:
         tensor = tensors.get(info.name)
         if isinstance(tensor, gs.Variable) and id(tensor) not in boundary:
-            _fill(tensor, info)
+            _fill(tensor, info, run)
 
 
-def _fill(tensor: gs.Variable, info: onnx.ValueInfoProto) -> None:
+_RUNS = itertools.count()
+"""Numbers the inference runs: the dims one run invents (``unk__3``) mean nothing to another."""
+
+
+def _fill(tensor: gs.Variable, info: onnx.ValueInfoProto, run: int) -> None:
     if not info.type.HasField("tensor_type"):
         return
     tensor_type = info.type.tensor_type
@@ -55,9 +61,20 @@ def _fill(tensor: gs.Variable, info: onnx.ValueInfoProto) -> None:
             tensor.dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
     if tensor.shape is None and tensor_type.HasField("shape"):
         tensor.shape = [
-            dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None)
+            dim.dim_value if dim.HasField("dim_value") else _dim_name(dim.dim_param, run)
             for dim in tensor_type.shape.dim
         ]
+
+
+def _dim_name(name: str, run: int) -> str | None:
+    """A symbolic dim as this run's own: shape inference names the dims it cannot resolve ``unk__N`` afresh
+    in every run, so ``unk__250`` of two runs are two unrelated dims. Kept as written, tensors filled by
+    different runs would claim equal sizes, and ONNX Runtime, planning memory by those claims, reused one
+    tensor's buffer for another of another size (Faster R-CNN: "Shape mismatch attempting to re-use
+    buffer {0} != {91}")."""
+    if not name:
+        return None
+    return f"{name}_run{run}" if name.startswith("unk__") else name
 
 
 def _weightless_model(graph: gs.Graph) -> onnx.ModelProto:

@@ -58,3 +58,22 @@ def test_shapes_resolve_when_large_weights_travel_as_typed_inputs(kit):
     assert output_dims(model) == {"y": [None, 3]}
     shapes = inferred_shapes(model)
     assert shapes["w"] == (3, big) and shapes["y"] == ("N", 3)
+
+
+def test_dims_that_two_inference_runs_invent_never_share_a_name():
+    """Shape inference names each dim it cannot resolve ``unk__N`` afresh per run; tensors filled by two
+    runs must not claim equal sizes through such a name (ONNX Runtime plans buffer reuse by it: Faster
+    R-CNN's optimized graph failed with "Shape mismatch attempting to re-use buffer {0} != {91}")."""
+    import onnx_graphsurgeon as gs
+
+    from service.optimizer.passes._shapes import ensure_types
+
+    def nonzero_graph() -> tuple[gs.Graph, gs.Variable]:
+        x, out = gs.Variable("x", np.float32, ["N", 8]), gs.Variable("nz", None, None)
+        return gs.Graph(nodes=[gs.Node("NonZero", inputs=[x], outputs=[out])], inputs=[x], opset=13), out
+
+    (first, a), (second, b) = nonzero_graph(), nonzero_graph()
+    ensure_types(first)
+    ensure_types(second)
+    assert a.shape[0] == b.shape[0] == 2
+    assert isinstance(a.shape[1], str) and isinstance(b.shape[1], str) and a.shape[1] != b.shape[1]
