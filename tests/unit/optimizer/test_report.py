@@ -72,7 +72,8 @@ def test_a_record_of_an_earlier_optimizer_reads_without_zero_counts() -> None:
 
 def test_a_model_verified_with_its_selections_fed_in_says_so_and_why() -> None:
     report = OptimizationReport(
-        optimizer_version="test", config={}, verified=True, max_abs_diff=3e-5, max_rel_diff=2.7e-7, verify_rtol=1e-4, verify_atol=1e-5,
+        optimizer_version="test", config={}, verified=True, max_abs_diff=3e-5, max_rel_diff=2.7e-7,
+        verify_rtol=1e-4, verify_atol=1e-5,
         verify_fed_selections=["TopK 'a'", "If 'nms'"], verify_set_mismatch="49 of 300 detections have no match",
     )  # fmt: skip
     summary = report.summary()
