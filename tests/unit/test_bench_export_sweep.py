@@ -41,6 +41,11 @@ def test_leftover_batchnorm_and_decomposed_hardswish_are_failures():
     assert found == ["34 BatchNormalization left", "Clip 2 / Div 2 left"]
 
 
+def test_a_detector_may_clip_and_divide_its_boxes():
+    assert export_sweep.failures(_ok_row(Clip=5, Div=27) | {"family": "detection"}) == []
+    assert export_sweep.failures(_ok_row(Clip=5) | {"family": "timm"}) == ["Clip 5 / Div 0 left"]
+
+
 def test_a_refusal_is_ours_but_an_export_pytorch_cannot_write_is_not():
     assert export_sweep.failures({"status": "refused", "error": "422"}) == ["refused"]
     assert export_sweep.failures({"status": "export-failed", "error": "aten::foo"}) == []
