@@ -194,7 +194,7 @@ class _Guard:
         """Nothing is in progress: no head begun, no body arriving, no response being written."""
         raise NotImplementedError
 
-    def _feed(self, data: bytes) -> bool:
+    def _feed(self, data: bytes | memoryview) -> bool:
         """Hand ``data`` to the parser; False once the connection is refused or closing."""
         raise NotImplementedError
 
@@ -215,7 +215,7 @@ class _Guard:
             self._linger_timer.cancel()
         super().connection_lost(exc)  # type: ignore[misc]
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._refused:
             return
         self._unset_keepalive_if_required()  # type: ignore[attr-defined]
@@ -227,7 +227,9 @@ class _Guard:
             if room <= 0:
                 self._refuse(head_too_large(self.limits))
                 return
-            part, data = (data, b"") if len(data) <= room else (data[:room], data[room:])
+            # memoryview slices: a read holds the head and up to ~256 KiB of body, copied twice by bytes slicing
+            view = memoryview(data)
+            part, data = (data, b"") if len(data) <= room else (view[:room], view[room:])
             self._head_bytes += len(part)
             if not self._feed(part):
                 return
@@ -354,7 +356,7 @@ if HttpToolsProtocol is not None:
             return (not self._in_body and self._head_bytes == 0 and not self.pipeline
                     and (self.cycle is None or self.cycle.response_complete))
 
-        def _feed(self, data: bytes) -> bool:
+        def _feed(self, data: bytes | memoryview) -> bool:
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:  # as uvicorn does (run.py turns WebSockets off)
@@ -448,7 +450,7 @@ class H11Guard(_Guard, H11Protocol):
         return (self.conn.their_state is h11.IDLE and self._head_bytes == 0
                 and (self.cycle is None or self.cycle.response_complete))
 
-    def _feed(self, data: bytes) -> bool:
+    def _feed(self, data: bytes | memoryview) -> bool:
         self.conn.receive_data(data)
         self.handle_events()
         return not self._refused and not self.transport.is_closing()
