@@ -161,14 +161,19 @@ def top_pairs(*, tie_break: bool = False, index_offset: int = 0) -> onnx.ModelPr
         n("TopK", ["pairs", "k"], ["values", "raw_indices"], axis=1),
         n("Add", ["raw_indices", "offset"], ["indices"]),
     ]
+    outputs = [("values", TensorProto.FLOAT, ["N", 4]), ("indices", TensorProto.INT64, ["N", 4])]
+    return _opset13_model(nodes, "top_pairs", ("x", ["N", 6]), outputs, inits)
+
+
+def _opset13_model(
+    nodes: list[onnx.NodeProto], name: str, x: tuple[str, list], outputs: list[tuple], inits: dict[str, np.ndarray]
+) -> onnx.ModelProto:
+    """One float input, the given outputs (name, elem type, shape), checked in full."""
     graph = helper.make_graph(
         nodes,
-        "top_pairs",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
-        [
-            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["N", 4]),
-            helper.make_tensor_value_info("indices", TensorProto.INT64, ["N", 4]),
-        ],
+        name,
+        [helper.make_tensor_value_info(x[0], TensorProto.FLOAT, x[1])],
+        [helper.make_tensor_value_info(*out) for out in outputs],
         [numpy_helper.from_array(v, k) for k, v in inits.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
@@ -198,17 +203,5 @@ def tied_cutoff(*, perturb: bool = False, scale_after: float = 1.0, axis_attr: i
         n("GatherElements", ["x", "idx"], ["gathered"], axis=1),
         n("Mul", ["gathered", "scale"], ["picked"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "tied_cutoff",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
-        [
-            helper.make_tensor_value_info("values", TensorProto.FLOAT, ["N", 3]),
-            helper.make_tensor_value_info("picked", TensorProto.FLOAT, ["N", 3]),
-        ],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    outputs = [("values", TensorProto.FLOAT, ["N", 3]), ("picked", TensorProto.FLOAT, ["N", 3])]
+    return _opset13_model(nodes, "tied_cutoff", ("x", ["N", 8]), outputs, inits)
