@@ -16,6 +16,9 @@ as many floats as the model would), ``floor_raw`` (bench/raw_http_server.py, no 
 requests only) and ``service_workers`` (2 workers and the engine process, CPU read per process: the workers'
 event-loop threads in ``main_thread_...``, the engine process in ``other_threads_...``).
 
+``--instructions N`` also counts the instructions per lone request of ``service`` and ``baseline`` under
+valgrind's callgrind (``count_instructions``; ``--rounds 0`` for the count alone).
+
 Prints a table and writes ``bench/results/server-cpu-<date>.json``. Linux only (/proc).
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -164,6 +168,32 @@ def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def count_instructions(name: str, work: Path, baseline_tree: Path | None, requests: int) -> float:
+    """Instructions per lone request (every thread of the server, user space) under valgrind's callgrind,
+    counted only while ``requests`` requests run one after another: on a host where requests/s swing by
+    30 % between rounds, the count repeats to a fraction of a percent. Instructions are not time (a
+    vectorized copy is few instructions per byte), so this complements the CPU figures."""
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"callgrind-{name}.out"
+    server = make_server(name, work, baseline_tree)
+    server.command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                      *server.command]
+    sample = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    payload = binary_payload("light", "input", "output", sample, 3)
+    with running(server, 600):
+        upload_light_model(server.url)
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            for index in range(50 + requests):
+                if index == 50:  # after a warm-up: buffers, first-call paths
+                    subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
+                reply = client.post(payload.path, content=payload.body, headers=payload.headers)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{name}: {reply.status_code} {reply.text[:200]}")
+        subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True, capture_output=True)
+    totals = [line for line in out.read_text().splitlines() if line.startswith("totals:")]
+    return int(totals[0].split()[1]) / requests
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -174,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     parser.add_argument("--baseline-tree", type=Path, help="a checkout of another commit: the baseline variant")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/server-cpu-<date>.json)")
+    parser.add_argument("--instructions", type=int, default=0, metavar="N",
+                        help="also count instructions per lone request over N requests under valgrind "
+                             "(service and baseline; 300 takes ~2 min each)")
     args = parser.parse_args(argv)
     if args.baseline_tree is None:
         args.variants = [v for v in args.variants if v != "baseline"]
@@ -181,8 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "fastapi", "httptools", "uvloop"))
+    counted: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-server-cpu-") as tmp:
         rows = run(args, Path(tmp))
+        for name in ("service", "baseline") if args.instructions else ():
+            if name in args.variants:
+                counted[name] = count_instructions(name, Path(tmp) / f"counted-{name}", args.baseline_tree,
+                                                   args.instructions)
+                print(f"{name}: {counted[name] / 1e6:.3f} M instructions per lone request", flush=True)
     document = {
         "model": "GlobalAveragePool over [N,3,224,224] (600 KB binary input per sample), CPU provider",
         "client": "bench/service.py raw load generator, one process",
@@ -198,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             for (name, batch, concurrency), cpu in by_point.items()
             if name == "service" and ("baseline", batch, concurrency) in by_point
         }
+    if counted:
+        document["instructions_per_lone_request"] = {k: round(v) for k, v in counted.items()}
+        document["instruction_requests"] = args.instructions
+        if len(counted) == 2:
+            document["service_over_baseline_instructions"] = counted["service"] / counted["baseline"]
     path = common.write_result("server-cpu", document, head=head,
                                path=args.out or common.RESULTS_DIR / f"server-cpu-{head['date']}.json")
     columns = ["variant", "batch", "concurrency", "requests_per_s", "p50_ms", "cpu_ms_per_request",
