@@ -14,9 +14,9 @@ if str(ROOT) not in sys.path:
 from bench import export_sweep  # noqa: E402
 
 
-def _ok_row(**left) -> dict:
+def _ok_row(model: str = "mixnet_s", **left) -> dict:
     counts = {op: 0 for op in export_sweep.WATCHED_OPS} | left
-    return {"status": "ok", "left": counts}
+    return {"status": "ok", "model": model, "family": export_sweep.family(model), "left": counts}
 
 
 def test_groups_expand_and_names_pass_through():
@@ -41,9 +41,15 @@ def test_leftover_batchnorm_and_decomposed_hardswish_are_failures():
     assert found == ["34 BatchNormalization left", "Clip 2 / Div 2 left"]
 
 
-def test_a_detector_may_clip_and_divide_its_boxes():
-    assert export_sweep.failures(_ok_row(Clip=5, Div=27) | {"family": "detection"}) == []
-    assert export_sweep.failures(_ok_row(Clip=5) | {"family": "timm"}) == ["Clip 5 / Div 0 left"]
+def test_clip_and_div_count_only_in_hard_swish_networks():
+    assert export_sweep.failures(_ok_row("fasterrcnn_mobilenet_v3_large_320_fpn", Clip=5, Div=27)) == []
+    assert export_sweep.failures(_ok_row("vit_b_16", Div=38)) == []
+    assert export_sweep.failures(_ok_row("tinynet_a", Clip=5)) == ["Clip 5 / Div 0 left"]
+
+
+def test_batchnorm_left_is_a_failure_unless_no_exact_fold_exists():
+    assert export_sweep.failures(_ok_row("densenet121", BatchNormalization=62)) == []
+    assert export_sweep.failures(_ok_row("resnet18", BatchNormalization=1)) == ["1 BatchNormalization left"]
 
 
 def test_a_refusal_is_ours_but_an_export_pytorch_cannot_write_is_not():
