@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 import onnx
+import onnx.version_converter
 from onnx import numpy_helper
 
 from service.optimizer.unordered import holds_selection
@@ -64,15 +65,19 @@ def fed_plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> FedPlan 
     by_output = {candidate.graph.node[i].output[0]: candidate.graph.node[i] for i in cut_at}
     ref_fixed, cand_fixed = _fixed_values(reference), _fixed_values(candidate)
     read: dict[str, str] = {}  # reference name -> candidate name of every tensor a selection reads
+    upgraded = _Upgraded(reference, candidate)
     for node in ref_cut:
         twin = by_output.get(node.output[0]) if node.output else None
         pairs = _same_selection(node, twin, ref_fixed, cand_fixed) if twin is not None else None
+        if pairs is None and twin is not None:
+            pairs = upgraded.same_selection(node, twin, cand_fixed)
         if pairs is None:
             return None
         read.update(pairs)
     fed = [name for node in ref_cut for name in node.output if name]
     graph_inputs = {i.name for i in reference.graph.input} - set(ref_fixed)
     cand_computed = {name for i, n in enumerate(candidate.graph.node) if i not in cut_at for name in n.output}
+    ref_computed = {name for n in reference.graph.node for name in n.output}
     computed: list[tuple[str, str]] = []
     for ref_name, cand_name in sorted(read.items()):
         if ref_name in fed:
@@ -84,7 +89,7 @@ def fed_plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> FedPlan 
         elif ref_name in graph_inputs:
             if cand_name != ref_name:
                 return None
-        elif cand_name in cand_computed:
+        elif cand_name in cand_computed and ref_name in ref_computed:
             computed.append((ref_name, cand_name))
         else:
             return None
@@ -98,6 +103,39 @@ def fed_plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> FedPlan 
         compared=tuple(compared),
         selections=tuple(f"{n.op_type} '{n.name or n.output[0]}'" for n in ref_cut),
     )
+
+
+class _Upgraded:
+    """The reference converted to the candidate's opset (once, on demand): the optimizer upgrades old
+    opsets first, which rewrites a selection's body (opset 11's Unsqueeze ``axes`` attribute becomes an
+    input at 13), so such a selection is the same as the original's converted one, not as the original's."""
+
+    def __init__(self, reference: onnx.ModelProto, candidate: onnx.ModelProto) -> None:
+        self.reference, self.target = reference, _opset(candidate)
+        self.nodes: dict[str, onnx.NodeProto] | None = None
+        self.fixed: dict[str, np.ndarray] = {}
+
+    def same_selection(
+        self, node: onnx.NodeProto, twin: onnx.NodeProto, cand_fixed: dict[str, np.ndarray]
+    ) -> dict[str, str] | None:
+        if self.target is None or _opset(self.reference) in (None, self.target) or not node.output:
+            return None
+        if self.nodes is None:
+            try:
+                converted = onnx.version_converter.convert_version(self.reference, self.target)
+            except Exception:  # a model the converter cannot take: no cut
+                self.nodes = {}
+                return None
+            self.nodes = {n.output[0]: n for n in converted.graph.node if n.output}
+            self.fixed = _fixed_values(converted)
+        upgraded = self.nodes.get(node.output[0])
+        if upgraded is None or list(upgraded.input) != list(node.input):
+            return None
+        return _same_selection(upgraded, twin, self.fixed, cand_fixed)
+
+
+def _opset(model: onnx.ModelProto) -> int | None:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 def _same_selection(

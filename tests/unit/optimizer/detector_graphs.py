@@ -205,3 +205,43 @@ def tied_cutoff(*, perturb: bool = False, scale_after: float = 1.0, axis_attr: i
     ]
     outputs = [("values", TensorProto.FLOAT, ["N", 3]), ("picked", TensorProto.FLOAT, ["N", 3])]
     return _opset13_model(nodes, "tied_cutoff", ("x", ["N", 8]), outputs, inits)
+
+
+def tied_if_topk(*, perturb: bool = False) -> onnx.ModelProto:
+    """``tied_cutoff``'s tied TopK inside an If (as torchvision writes its NMS), at opset 11, whose body
+    also unsqueezes the values with an ``axes`` attribute (an input from opset 13: upgrading rewrites the
+    body). x [8] -> values [1, 3], picked = x at the selected candidates [3]."""
+    n = helper.make_node
+    scores = np.full(8, 0.5, np.float32)
+    if perturb:
+        scores[5:] = np.nextafter(np.float32(0.5), np.float32(1.0))
+    body_inits = [numpy_helper.from_array(np.array([3], np.int64), "k")]
+    unsqueeze = n("Unsqueeze", ["v"], ["v1"], axes=[0])
+    then_branch = helper.make_graph(
+        [n("TopK", ["scores", "k"], ["v", "i"], axis=0), unsqueeze], "select", [],
+        [helper.make_tensor_value_info("v1", TensorProto.FLOAT, [1, 3]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, [3])], body_inits,
+    )  # fmt: skip
+    else_branch = helper.make_graph(
+        [n("Constant", [], ["ev"], value=numpy_helper.from_array(np.zeros((1, 3), np.float32))),
+         n("Constant", [], ["ei"], value=numpy_helper.from_array(np.zeros(3, np.int64)))], "empty", [],
+        [helper.make_tensor_value_info("ev", TensorProto.FLOAT, [1, 3]),
+         helper.make_tensor_value_info("ei", TensorProto.INT64, [3])],
+    )  # fmt: skip
+    inits = {"zero": np.array(0.0, np.float32), "c": scores, "yes": np.array(True)}
+    nodes = [
+        n("Mul", ["x", "zero"], ["x0"]),
+        n("Add", ["x0", "c"], ["scores"]),
+        n("If", ["yes"], ["values", "idx"], then_branch=then_branch, else_branch=else_branch, name="select"),
+        n("Gather", ["x", "idx"], ["picked"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "tied_if_topk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+        [helper.make_tensor_value_info("values", TensorProto.FLOAT, [1, 3]),
+         helper.make_tensor_value_info("picked", TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 7
+    onnx.checker.check_model(model, full_check=True)
+    return model

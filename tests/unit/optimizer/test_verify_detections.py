@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.version_converter
 import onnxruntime as ort
 import pytest
-from detector_graphs import detector, tied_cutoff, top_pairs
+from detector_graphs import detector, tied_cutoff, tied_if_topk, top_pairs
 
 from service.errors import VerificationError
 from service.optimizer import OptimizerConfig, optimize
@@ -209,3 +210,14 @@ def test_no_cut_leaves_the_set_mismatch_as_it_was(kit):
     with pytest.raises(VerificationError) as info:
         verify_equivalent(tied_cutoff(), tied_cutoff(perturb=True, axis_attr=-1))
     assert "no match within" in info.value.message and "fed in" not in info.value.message
+
+
+def test_a_selection_body_rewritten_by_the_opset_upgrade_is_still_cut():
+    reference = tied_if_topk()
+    # what the optimizer serves: the model upgraded to opset 13 (the If body rewritten), tied scores re-rounded
+    candidate = onnx.version_converter.convert_version(tied_if_topk(perturb=True), 13)
+    ref_if, cand_if = (next(n for n in m.graph.node if n.op_type == "If") for m in (reference, candidate))
+    then = [next(a.g for a in node.attribute if a.name == "then_branch") for node in (ref_if, cand_if)]
+    assert then[0].SerializeToString() != then[1].SerializeToString()  # the premise
+    result = verify_equivalent(reference, candidate)
+    assert result.fed_selections == ("If 'select'",) and "no match within" in result.set_mismatch
