@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -252,7 +253,7 @@ def _export(args: argparse.Namespace, name: str, variant: str, path: Path) -> st
         return f"export timed out after {args.timeout} s"
     if proc.returncode != 0:
         path.unlink(missing_ok=True)
-        return (proc.stderr or proc.stdout).strip()[-800:]
+        return scrub_paths((proc.stderr or proc.stdout).strip())[-800:]
     return None
 
 
@@ -270,9 +271,9 @@ def _optimize(args: argparse.Namespace, src: Path, fused_conv: bool) -> dict:
         return {"status": "timeout", "seconds": round(time.perf_counter() - started, 1)}
     row: dict = {"seconds": round(time.perf_counter() - started, 1)}
     if "Traceback" in proc.stderr:
-        row.update(status="crash", error=proc.stderr.strip()[-1500:])
+        row.update(status="crash", error=scrub_paths(proc.stderr.strip())[-1500:])
     elif proc.returncode != 0:
-        row.update(status="refused", error=proc.stderr.strip()[-500:])
+        row.update(status="refused", error=scrub_paths(proc.stderr.strip())[-500:])
     else:
         row.update(status="ok", **_report_fields(json.loads(proc.stdout)))
     return row
@@ -297,6 +298,16 @@ def _report_fields(report: dict) -> dict:
         # detections differed as sets (ties) and verified cut at this many selections, fed the original's
         "verify_fed_selections": len(report.get("verify_fed_selections") or []),
     }
+
+
+_SITE_PACKAGES = re.compile(r"/\S*?/(site|dist)-packages/")
+
+
+def scrub_paths(text: str) -> str:
+    """``text`` with this machine's paths taken out (results are shared): site-packages prefixes, the
+    checkout and the temp folder."""
+    text = _SITE_PACKAGES.sub(r"\1-packages/", text)
+    return text.replace(str(ROOT), ".").replace(tempfile.gettempdir(), "TMP")
 
 
 def failures(row: dict) -> list[str]:

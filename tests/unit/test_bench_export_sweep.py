@@ -60,3 +60,8 @@ def test_a_refusal_is_ours_but_an_export_pytorch_cannot_write_is_not():
 def test_detection_counts_are_shown_as_ranges():
     row = _ok_row() | {"verify_unordered_rows": {"boxes": [3, 0, 12], "labels": []}}
     assert export_sweep._detections(row) == "boxes 0-12"
+
+
+def test_errors_keep_no_path_of_this_machine():
+    text = f'File "/somewhere/venv/lib/python3.11/site-packages/torch/onnx/x.py", in {export_sweep.ROOT}/bench'
+    assert export_sweep.scrub_paths(text) == 'File "site-packages/torch/onnx/x.py", in ./bench'
