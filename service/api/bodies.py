@@ -208,17 +208,14 @@ async def stream_raw_upload(request: Request, dest: Path, limit: int, *, timeout
     return sink.size
 
 
-class _FormState:
-    """Callbacks of the streaming multipart parser: routes part data to the file or the config field."""
+class MultipartFields:
+    """Callbacks of python-multipart's streaming parser, header bookkeeping included; a subclass says what
+    a part is (``on_headers_finished``, with ``field_name``) and where its data goes (``on_part_data``)."""
 
-    def __init__(self, sink: _FileSink) -> None:
-        self.sink = sink
+    def __init__(self) -> None:
         self.header_field = bytearray()
         self.header_value = bytearray()
         self.disposition = b""
-        self.current: str | None = None
-        self.seen: set[str] = set()
-        self.texts: dict[str, bytearray] = {}
         self.ended = False
 
     def callbacks(self) -> dict[str, object]:
@@ -232,8 +229,13 @@ class _FormState:
             "on_end": self.on_end,
         }
 
+    def field_name(self) -> str:
+        """The current part's name from its Content-Disposition ("" when it has none)."""
+        _, options = parse_options_header(self.disposition)
+        return options.get(b"name", b"").decode("latin-1")
+
     def on_part_begin(self) -> None:
-        self.disposition, self.current = b"", None
+        self.disposition = b""
 
     def on_header_end(self) -> None:
         if bytes(self.header_field).strip().lower() == b"content-disposition":
@@ -242,8 +244,31 @@ class _FormState:
         self.header_value.clear()
 
     def on_headers_finished(self) -> None:
-        _, options = parse_options_header(self.disposition)
-        name = options.get(b"name", b"").decode("latin-1")
+        raise NotImplementedError
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        raise NotImplementedError
+
+    def on_end(self) -> None:
+        self.ended = True
+
+
+class _FormState(MultipartFields):
+    """The upload form: routes part data to the file or the config field."""
+
+    def __init__(self, sink: _FileSink) -> None:
+        super().__init__()
+        self.sink = sink
+        self.current: str | None = None
+        self.seen: set[str] = set()
+        self.texts: dict[str, bytearray] = {}
+
+    def on_part_begin(self) -> None:
+        super().on_part_begin()
+        self.current = None
+
+    def on_headers_finished(self) -> None:
+        name = self.field_name()
         if name != "file" and name not in TEXT_FIELDS:
             raise BadRequestError(
                 f"unexpected form field {name[:64]!r}; send 'file' and optionally 'config' and 'labels'"
@@ -263,9 +288,6 @@ class _FormState:
                 raise PayloadTooLargeError(
                     f"form field {self.current!r} is larger than {TEXT_FIELDS[self.current]} bytes"
                 )
-
-    def on_end(self) -> None:
-        self.ended = True
 
 
 async def stream_multipart_upload(

@@ -20,6 +20,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from service.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
 from service.image_requests import MAX_IMAGES
 
+from .bodies import MultipartFields
+
 IMAGE_FIELDS = ("image", "images")
 _DATA_URL = re.compile(r"data:image/[\w.+-]{1,64};base64,", re.ASCII)
 
@@ -42,47 +44,24 @@ def decode_base64(text: Any, index: int) -> bytes:
         raise InvalidInputError(f"image {index}: not valid base64 ({reason[:120]})") from None
 
 
-class _ImageForm:
-    """Callbacks of the multipart parser: collects the image parts."""
+class _ImageForm(MultipartFields):
+    """The image form: collects the parts named ``image``, at most ``limit``."""
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.limit = limit
         self.parts: list[bytearray] = []
-        self.header_field, self.header_value = bytearray(), bytearray()
-        self.disposition = b""
-        self.ended = False
-
-    def callbacks(self) -> dict[str, object]:
-        return {
-            "on_part_begin": self.on_part_begin,
-            "on_header_field": lambda d, s, e: self.header_field.extend(d[s:e]),
-            "on_header_value": lambda d, s, e: self.header_value.extend(d[s:e]),
-            "on_header_end": self.on_header_end,
-            "on_headers_finished": self.on_headers_finished,
-            "on_part_data": lambda d, s, e: self.parts[-1].extend(d[s:e]),
-            "on_end": self.on_end,
-        }
-
-    def on_part_begin(self) -> None:
-        self.disposition = b""
-
-    def on_header_end(self) -> None:
-        if bytes(self.header_field).strip().lower() == b"content-disposition":
-            self.disposition = bytes(self.header_value)
-        self.header_field.clear()
-        self.header_value.clear()
 
     def on_headers_finished(self) -> None:
-        _, options = parse_options_header(self.disposition)
-        name = options.get(b"name", b"").decode("latin-1")
+        name = self.field_name()
         if name not in IMAGE_FIELDS:
             raise BadRequestError(f"unexpected form field {name[:64]!r}; send the images as parts named 'image'")
         if len(self.parts) == self.limit:
             raise PayloadTooLargeError(f"more than {self.limit} images in one request")
         self.parts.append(bytearray())
 
-    def on_end(self) -> None:
-        self.ended = True
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        self.parts[-1].extend(data[start:end])
 
 
 def image_form_parts(body: bytes, content_type: str, limit: int = MAX_IMAGES) -> list[bytes]:
