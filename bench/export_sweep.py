@@ -383,17 +383,11 @@ def torch_versions() -> dict:
     return versions
 
 
-_SERVICE_VERSIONS = """
-import importlib.metadata as md, json, sys
-def v(*names):
-    for n in names:
-        try:
-            return md.version(n)
-        except md.PackageNotFoundError:
-            pass
-print(json.dumps({"python": sys.version.split()[0], "onnx": v("onnx"),
-                  "onnxruntime": v("onnxruntime-gpu", "onnxruntime"), "onnx_graphsurgeon": v("onnx-graphsurgeon")}))
-"""
+_SERVICE_VERSIONS = (
+    "import json; from bench import common; "
+    "print(json.dumps(common.package_versions(('onnx', 'onnxruntime', 'onnx_graphsurgeon'))))"
+)
+"""The optimizer side's versions, asked of its own interpreter through ``bench.common``."""
 
 
 def _versions(args: argparse.Namespace) -> dict:
@@ -402,7 +396,7 @@ def _versions(args: argparse.Namespace) -> dict:
         [args.torch_python, __file__, "--print-versions"], capture_output=True, text=True, check=True
     ).stdout
     service_side = subprocess.run(
-        [args.service_python, "-c", _SERVICE_VERSIONS], capture_output=True, text=True, check=True
+        [args.service_python, "-c", _SERVICE_VERSIONS], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     return {**json.loads(torch_side), **json.loads(service_side)}
 

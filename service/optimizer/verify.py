@@ -391,7 +391,7 @@ class _FedComparison(_Comparison):
                     self.first_failure = self.first_failure or _short(exc)
                     return False
                 raise OptimizationError(f"the original model fails to run on ONNX Runtime: {_short(exc)}") from exc
-            fed = {name: values[name] for name in self.fed.fed}
+            fed = {name: np.asarray(values[name]) for name in self.fed.fed}
             if self.cut is None:
                 self.cut = _session(self.fed.candidate_bytes(fed), "optimized (cut at its selections)")
             inputs = {i.name for i in self.cut.get_inputs()}

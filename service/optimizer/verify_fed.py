@@ -36,8 +36,8 @@ class FedPlan:
 
     reference_bytes: bytes
     """The original, with the selections' outputs and the compared tensors as extra graph outputs."""
-    candidate: onnx.ModelProto
-    """The optimized model without its selection nodes (their outputs still to be declared as inputs)."""
+    candidate: bytes
+    """The optimized model without its selection nodes, encoded (their outputs still to be declared as inputs)."""
     fed: tuple[str, ...]
     """The selections' outputs: computed by the original, fed to the cut candidate."""
     compared: tuple[tuple[str, str], ...]
@@ -46,13 +46,13 @@ class FedPlan:
     """How messages name the cut nodes: ``TopK 'topk_1'``."""
 
     def candidate_bytes(self, fed_values: dict[str, np.ndarray]) -> bytes:
-        """The cut candidate with each fed tensor declared as a graph input of its value's dtype."""
-        model = onnx.ModelProto()
-        model.CopyFrom(self.candidate)
-        for name in self.fed:
-            elem = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(fed_values[name]).dtype)
-            model.graph.input.append(onnx.helper.make_tensor_value_info(name, elem, None))
-        return model.SerializeToString()
+        """The cut candidate with each fed tensor declared as a graph input of its value's dtype (appended
+        to the encoding: protobuf merges repeated fields, so the weights are not copied again)."""
+        inputs = [
+            onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(fed_values[name].dtype), None)
+            for name in self.fed
+        ]
+        return self.candidate + onnx.ModelProto(graph=onnx.GraphProto(input=inputs)).SerializeToString()
 
 
 def fed_plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> FedPlan | None:
@@ -98,7 +98,7 @@ def fed_plan(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> FedPlan 
     output_names = {name for name, _ in outputs}
     return FedPlan(
         reference_bytes=with_outputs(reference, [n for n in fed + [r for r, _ in compared] if n not in output_names]),
-        candidate=_cut(candidate, set(cut_at), [c for _, c in compared]),
+        candidate=_cut(candidate, set(cut_at), [c for _, c in compared]).SerializeToString(),
         fed=tuple(fed),
         compared=tuple(compared),
         selections=tuple(f"{n.op_type} '{n.name or n.output[0]}'" for n in ref_cut),

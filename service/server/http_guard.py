@@ -227,9 +227,11 @@ class _Guard:
             if room <= 0:
                 self._refuse(head_too_large(self.limits))
                 return
-            # memoryview slices: a read holds the head and up to ~256 KiB of body, copied twice by bytes slicing
-            view = memoryview(data)
-            part, data = (data, b"") if len(data) <= room else (view[:room], view[room:])
+            if len(data) <= room:
+                part, data = data, b""
+            else:  # memoryview slices: a read holds the head and up to ~256 KiB of body, bytes slices copy it
+                view = memoryview(data)
+                part, data = view[:room], view[room:]
             self._head_bytes += len(part)
             if not self._feed(part):
                 return
