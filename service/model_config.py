@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.imaging.config import Postprocess, Preprocess
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
+from service.optimizer.tolerance import DEFAULT_ATOL, DEFAULT_RTOL, FP16_ATOL, FP16_RTOL
 from service.settings import Buckets, MaxBatchSize, MaxDelayMs, Precision, QueueSize, ServiceSettings, TimeoutS
 
 MAX_DESCRIPTION = 1000
@@ -29,17 +29,26 @@ MAX_DESCRIPTION = 1000
 
 class VerifyTolerance(BaseModel):
     """A model's own verification tolerance (``service.optimizer.verify``: an element matches when
-    ``|optimized - original| <= atol + rtol * scale``). The report records the tolerance every verification
-    used, and a looser one than the default is logged; verification itself cannot be switched off per model."""
+    ``|optimized - original| <= atol + rtol * scale``). A field left out takes the default of the precision
+    the model computes in (``service.optimizer.tolerance``). The report records the tolerance every
+    verification used and where it came from, and one looser than the default is logged; verification
+    itself cannot be switched off per model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rtol: float = Field(DEFAULT_RTOL, ge=0.0, le=0.1, description=f"Relative tolerance (default {DEFAULT_RTOL:g}).")
-    atol: float = Field(DEFAULT_ATOL, ge=0.0, le=1.0, description=f"Absolute tolerance (default {DEFAULT_ATOL:g}).")
+    rtol: float | None = Field(
+        None, ge=0.0, le=0.1,
+        description=f"Relative tolerance (default: {DEFAULT_RTOL:g} for fp32 graphs, {FP16_RTOL:g} for fp16).",
+    )  # fmt: skip
+    atol: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description=f"Absolute tolerance (default: {DEFAULT_ATOL:g} for fp32 graphs, {FP16_ATOL:g} for fp16).",
+    )  # fmt: skip
 
     @property
-    def is_default(self) -> bool:
-        return self.rtol == DEFAULT_RTOL and self.atol == DEFAULT_ATOL
+    def is_set(self) -> bool:
+        """Some field was given (an empty one leaves both to the precision's default)."""
+        return self.rtol is not None or self.atol is not None
 
 
 class ModelConfig(BaseModel):
@@ -64,8 +73,9 @@ class ModelConfig(BaseModel):
         None, description="The model is a classifier: softmax, top-k and labels of its first output."
     )
     verify_tolerance: VerifyTolerance | None = Field(
-        None, description="The model's own verification tolerance, {\"rtol\", \"atol\"} (e.g. an fp16-trained "
-        "model whose outputs differ by more than 1e-4 relative after fusion); recorded in the report."
+        None, description="The model's own verification tolerance, {\"rtol\", \"atol\"}; what it leaves out "
+        "follows the precision the graph computes in (fp32: rtol 1e-4, atol 1e-5; fp16: 5e-3, 5e-4). Recorded in the "
+        "report with that precision."
     )
     description: str | None = Field(
         None, max_length=MAX_DESCRIPTION, description="What the model is, for people (shown with the model)."
@@ -108,7 +118,7 @@ class ModelConfig(BaseModel):
             verify=settings.verify,
             preprocess=self.preprocess,
             postprocess=self.postprocess,
-            tolerance=self.verify_tolerance or VerifyTolerance(),
+            tolerance=self.verify_tolerance if self.verify_tolerance and self.verify_tolerance.is_set else None,
         )
 
 
@@ -130,7 +140,8 @@ class EffectiveConfig:
     verify: bool
     preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
-    tolerance: VerifyTolerance = dataclasses.field(default_factory=lambda: VerifyTolerance())
+    tolerance: VerifyTolerance | None = None
+    """The model's own verification tolerance; None: the default of the graph's precision."""
 
     @property
     def folds_normalization(self) -> bool:
@@ -143,8 +154,8 @@ class EffectiveConfig:
         The folded normalisation is listed only when there is one, so a model without it keeps the key
         it had before image models existed."""
         fields: dict[str, Any] = {"fused_conv": self.fused_conv, "verify": self.verify}
-        if not self.tolerance.is_default:  # listed only when set, so other models keep their keys
-            fields["verify_tolerance"] = self.tolerance.model_dump()
+        if self.tolerance is not None:  # listed only when set, so other models keep their keys
+            fields["verify_tolerance"] = self.tolerance.model_dump(exclude_none=True)
         if self.folds_normalization:
             assert self.preprocess is not None
             p = self.preprocess
@@ -156,7 +167,7 @@ class EffectiveConfig:
         """JSON-able, for the management API: the labels are counted, not listed (see the labels route)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["buckets"] = list(self.buckets)
-        data["tolerance"] = self.tolerance.model_dump()
+        data["tolerance"] = None if self.tolerance is None else self.tolerance.model_dump(exclude_none=True)
         data["preprocess"] = None if self.preprocess is None else self.preprocess.model_dump(mode="json")
         post = self.postprocess
         data["postprocess"] = None if post is None else {

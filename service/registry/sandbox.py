@@ -51,7 +51,6 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import VerifyTolerance
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +167,9 @@ class OptimizerRunner:
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
-        tolerance = tolerance or VerifyTolerance()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
-            "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
-            "--rtol", repr(tolerance.rtol), "--atol", repr(tolerance.atol),
+            "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)), *_tolerance_argv(tolerance),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
@@ -278,6 +275,15 @@ def client_message(text: str, *private: Path | None) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def _tolerance_argv(tolerance: VerifyTolerance | None) -> list[str]:
+    """``--rtol``/``--atol`` for the fields a model set; none for the rest, which the child then takes from
+    the graph's precision (so "the default" and "the model's own" stay apart across the command line)."""
+    if tolerance is None:
+        return []
+    pairs = (("--rtol", tolerance.rtol), ("--atol", tolerance.atol))
+    return [arg for flag, value in pairs if value is not None for arg in (flag, repr(value))]
+
+
 def _looks_like_oom(text: str) -> bool:
     lowered = text.lower()
     return any(word in lowered for word in _MEMORY_WORDS)
@@ -308,7 +314,7 @@ def _fused_conv_count(model: Any) -> int:
 
 def _job(
     source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
-    label_count: int | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+    label_count: int | None = None, rtol: float | None = None, atol: float | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -414,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
     parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="verification tolerance, relative")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="verification tolerance, absolute")
+    parser.add_argument("--rtol", type=float, default=None, help="verification tolerance, relative (default: by "
+                        "the graph's precision)")
+    parser.add_argument("--atol", type=float, default=None, help="verification tolerance, absolute (default: by "
+                        "the graph's precision)")
     args = parser.parse_args(argv)
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")

@@ -31,6 +31,7 @@ import onnx
 import onnxruntime as ort
 
 from service.errors import EngineError, InvalidModelError, first_line
+from service.graph_precision import graph_precision
 from service.runtime.buckets import (
     Bucket,
     GraphUnusable,
@@ -60,10 +61,6 @@ def _buckets(requested: Sequence[int], inputs: Sequence[TensorSpec]) -> tuple[in
     if fixed:
         return (fixed.pop(),)
     return tuple(sorted(set(requested)))
-
-
-def _precision(model: onnx.ModelProto) -> str:
-    return "fp16" if any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer) else "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,8 +428,8 @@ def load_engine(
     else:
         session = openvino_session(data, options, openvino) if openvino else cpu_session(data, options)
         choice, nodes = (openvino_choice(choice), ep_nodes(session)) if openvino else (choice, None)
-        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, openvino or _precision(proto),
-                         nodes)
+        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops,
+                         openvino or graph_precision(proto), nodes)
         engine = _warmed(session, proto, choice=choice, options=options, buckets=buckets, variant=built,
                          io_binding=io_binding_on_cpu)
     engine.load_s = time.perf_counter() - started
@@ -448,7 +445,7 @@ def _load_cuda(
 
     def built(graph: bool, fallback: str | None = None) -> _Variant:
         return _Variant(variant, tuning.prefer_nhwc, tuning.fuse_conv_bias, graph, fallback,
-                        len(proto.graph.node), ops, _precision(proto))
+                        len(proto.graph.node), ops, graph_precision(proto))
 
     common = dict(choice=choice, options=options, buckets=buckets)
     fallback = None
