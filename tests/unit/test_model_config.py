@@ -93,6 +93,25 @@ def test_graph_fields_change_only_with_what_changes_the_graph():
     assert flipped.effective(settings).graph_fields() != base
 
 
+
+def test_an_unset_tolerance_is_left_to_the_graphs_precision_through_the_sandbox_command_line():
+    from service.model_config import VerifyTolerance
+    from service.registry.sandbox import _tolerance_argv
+
+    settings = ServiceSettings(_env_file=None)
+    base = ModelConfig().effective(settings)
+    assert base.tolerance is None and "verify_tolerance" not in base.graph_fields()
+    assert ModelConfig(verify_tolerance=VerifyTolerance()).effective(settings).tolerance is None  # {} is unset
+    assert _tolerance_argv(base.tolerance) == []  # the child then takes the graph's precision's default
+    own = ModelConfig(verify_tolerance=VerifyTolerance(rtol=1e-3)).effective(settings)
+    assert own.graph_fields()["verify_tolerance"] == {"rtol": 1e-3} and own.to_dict()["tolerance"] == {"rtol": 1e-3}
+    assert _tolerance_argv(own.tolerance) == ["--rtol", "0.001"]
+    # the fp32 default's figures, given by the user: the user's (an fp16 graph is then held to them)
+    given = ModelConfig(verify_tolerance=VerifyTolerance(rtol=1e-4, atol=1e-5)).effective(settings)
+    assert given.graph_fields() != base.graph_fields()
+    assert _tolerance_argv(given.tolerance) == ["--rtol", "0.0001", "--atol", "1e-05"]
+
+
 # ---------------------------------------------------------------- image models
 def test_an_image_config_round_trips_with_its_null_fields():
     from service.imaging import Postprocess, Preprocess
