@@ -6,14 +6,15 @@ the original computes something, so at each batch size (ascending) verification 
 input sets, their kinds in trial order (trial ``t``: kind ``t mod 4``, ``verify_inputs``), and:
 
 - a draw on which the original fails is not compared; its kind is drawn again (fresh values from the same
-  stream), up to ``ATTEMPTS`` draws in all at that batch size. A kind whose every draw fails is **skipped**:
-  recorded with the original's first error and the batch size, and not drawn at later batch sizes. The
-  walk goes on through the other kinds (cycling) until ``runs`` sets were compared, so a plain model
-  that fails on noise is compared on ``uniform`` and ``shapes`` instead.
-- until the original has run once at a batch size, a failed kind waits for its second draw until every
-  other kind had its first: a batch size at which the first draw of every kind fails is taken not to run at
-  all (a graph that pins the batch despite a symbolic dim) and is left out, after len(kinds) failed runs
-  rather than len(kinds) * ATTEMPTS. Its failures skip no kind.
+  stream), up to ``ATTEMPTS`` draws in a row. A kind that fails them all leaves that batch size's walk;
+  if it never ran there it is **skipped**: recorded with the original's first error and the batch size,
+  and not drawn at later batch sizes either. The walk goes on through the other kinds (cycling) until
+  ``runs`` sets were compared, so a plain model that fails on noise is compared on ``uniform`` and
+  ``shapes`` instead, and a detector on every kind it runs.
+- until the original has run once at a batch size, each kind gets one draw in turn, and the kinds that
+  failed theirs get their other draws as soon as one runs: a batch size at which the first draw of every
+  kind fails is taken not to run at all (a graph that pins the batch despite a symbolic dim) and is left
+  out after one failed run per kind, not ``ATTEMPTS``; its failures skip no kind.
 - the candidate failing where the original ran, or differing from it, ends verification (the comparison
   raises); it is never retried.
 
