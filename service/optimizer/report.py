@@ -64,7 +64,7 @@ class OptimizationReport:
     verify_batch_sizes: list[int] = dataclasses.field(default_factory=list)
     verify_rtol: float | None = None
     verify_atol: float | None = None
-    """The tolerance verification used (None: not verified); see ``tolerance_note`` for the defaults."""
+    """The tolerance verification used (None: not verified); ``optimizer.tolerance`` gives the defaults."""
     verify_precision: str | None = None
     """What the original computes in (``fp32``, ``fp16``): the default tolerance follows it. None: not
     verified, or a record written before the precision was kept (read as fp32)."""
