@@ -3,11 +3,12 @@
 Both models run on ONNX Runtime's CPU provider with ORT's own graph optimizations off (so ORT cannot
 hide or cause a difference), on the same seeded inputs, for a few batch sizes and trials. The inputs and
 their kinds (standard normal, uniform [0, 1), image-like patterns in [0, 1] and [0, 255]) are described
-in ``service.optimizer.verify_inputs``; a model with a NonMaxSuppression or TopK gets every kind at every
-batch size, so that a detector sees inputs under which it selects something. Only input sets on which the
-*original* runs are compared: a kind on which it fails is drawn again, then skipped and recorded with the
-original's error (``service.optimizer.verify_draws``, which also says what minimum is compared before a
-rewrite is accepted).
+in ``service.optimizer.verify_inputs``; a model with a NonMaxSuppression or TopK gets every kind the
+original runs on at every batch size, so that a detector sees inputs under which it selects something.
+Only input sets on which the *original* runs are compared: a kind on which it fails is drawn again, then
+skipped and recorded with the original's error (``service.optimizer.verify_draws``, which also says what
+minimum is compared before a rewrite is accepted: never nothing). The optimized model failing where the
+original runs is an error.
 
 **Tolerance** (``rtol``, ``atol``, the same for every comparison below, recorded in the result with the
 precision and where it came from). By default it follows the precision the original computes in (1e-4 and
