@@ -1,7 +1,8 @@
 """Graph optimizer for PyTorch-exported CNNs.
 
 ``optimize(model, config) -> (model, report)``: raises the opset where that is safe (so that
-``HardSwish`` exists), runs the pass pipeline to a fixed point, checks the result with
+``HardSwish`` exists), runs the pass pipeline to a fixed point, declares which outputs carry the batch
+(``shapes.declare_batch_dims``: what a server may merge and split), checks the result with
 ``onnx.checker`` and verifies it numerically against the original on ONNX Runtime's CPU provider.
 This package imports nothing from ``service.api`` or ``service.runtime``.
 """
@@ -21,6 +22,7 @@ from service.optimizer.opset import default_opset, upgrade_opset
 from service.optimizer.passes.fold_input_normalization import InputNormalization, fold_input_normalization
 from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
+from service.optimizer.shapes import batched_outputs, declare_batch_dims
 from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, check_tolerance, verify_equivalent
 from service.optimizer.verify_normalization import verify_input_normalization
 
@@ -90,6 +92,7 @@ def optimize(
             fold = functools.partial(fold_input_normalization, normalization=config.input_normalization)
             report.passes.append(run_once(graph, fold_input_normalization.__name__, fold))
         optimized = _export(graph, template=working)
+        declare_batch_dims(optimized, batched_outputs(model))
     except (InvalidModelError, OptimizationError):
         raise
     except Exception as exc:  # a pass met a graph it cannot handle: refuse cleanly, never serve it

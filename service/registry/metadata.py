@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.errors import UnprocessableError, printable
 from service.model_config import ModelConfig
 from service.registry.store import ORIGINAL
-from service.runtime.contract import Signature
+from service.runtime.contract import Signature, stored_record
 
 SCHEMA_VERSION = 2
 
@@ -137,11 +137,6 @@ class VersionMetadata(_Record):
 def engine_key(record: dict[str, Any]) -> str:
     """Which device a tuner record belongs to: the GPU model (or "cpu") and the ONNX Runtime version."""
     return f"{record.get('device')} | onnxruntime {record.get('ort_version')}"
-
-
-def stored_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A record as kept on disk: whether this load reused it is not part of the choice."""
-    return {key: value for key, value in record.items() if key != "reused"}
 
 
 def tensor_records(signature: Signature) -> dict[str, list[TensorRecord]]:

@@ -49,10 +49,14 @@ def image_args(config: EffectiveConfig) -> ImageArgs | None:
 
 
 class Optimizations:
-    """``check_accepting`` raises ShuttingDownError once the server stops (a killed child then says so)."""
+    """``check_accepting`` raises ShuttingDownError once the server stops (a killed child then says so).
+    ``variants``: the optimized variants this server's tuner can choose among (``runtime.tuner.
+    choosable_variants``); the others are not made, and stored files made without one of them are stale."""
 
-    def __init__(self, settings: ServiceSettings, store: ModelStore, check_accepting: Callable[[], None]) -> None:
+    def __init__(self, settings: ServiceSettings, store: ModelStore, check_accepting: Callable[[], None],
+                 variants: frozenset[str]) -> None:
         self._store = store
+        self.variants = variants
         self._check_accepting = check_accepting
         self._runner = OptimizerRunner(timeout_s=settings.optimizer_timeout_s,
                                        memory_limit_mb=settings.optimizer_memory_mb)
@@ -71,7 +75,8 @@ class Optimizations:
             log.info("optimizing %s", what)
             try:
                 return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
-                                              image=image_args(config), tolerance=config.tolerance)
+                                              image=image_args(config), tolerance=config.tolerance,
+                                              plain="plain" in self.variants)
             except OptimizationError:
                 self._check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise
@@ -112,6 +117,10 @@ class Optimizations:
         expected = cache_key(mv.metadata.original.sha256, OPTIMIZER_VERSION, mv.config.graph_fields())
         if optimization is None or optimization.cache_key != expected or not optimization.variants:
             log.info("%s v%d: optimized cache is stale (settings or optimizer changed)", mv.name, mv.version)
+            return False
+        if "plain" in self.variants and "plain" not in optimization.variants:
+            log.info("%s v%d: optimized without the 'plain' variant, which this server can serve", mv.name,
+                     mv.version)
             return False
         for entry in optimization.variants.values():
             try:

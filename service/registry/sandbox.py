@@ -7,11 +7,11 @@ a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, su
 failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
-Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
+Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --plain 0|1 --verify 0|1
 --memory-limit-mb N [--preprocess JSON] [--label-count N]``. The child writes the optimized variants into
-OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph) and
-``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one means the child
-crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
+OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph and ``--plain``
+asks for it) and ``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one
+means the child crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
 
 Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` (the labels of its
 ``Postprocess``; only their number matters here) are checked against the uploaded model first
@@ -19,8 +19,10 @@ Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` 
 (``OptimizerConfig.input_normalization``) and verified against the original fed the normalised floats.
 
 Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
-FusedConv) is often faster on CUDA (FusedConv has no NHWC form). The engine's tuner measures both, so
-both are produced when FusedConv is allowed and actually fused something.
+FusedConv) is often faster on CUDA (FusedConv has no NHWC form) and is what the OpenVINO EP runs. The
+engine's tuner measures both, so both are produced when FusedConv is allowed, actually fused something,
+and the server can choose "plain" (``--plain 1``; ``runtime.tuner.choosable_variants``): a server without
+CUDA or OpenVINO never could, and is spared its optimization and verification.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class OptimizerRunner:
 
     async def run(
         self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None,
-        tolerance: VerifyTolerance | None = None,
+        tolerance: VerifyTolerance | None = None, plain: bool = True,
     ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
         If the caller is cancelled (client gone, shutdown), the child is killed."""
@@ -150,7 +152,7 @@ class OptimizerRunner:
         try:
             return await asyncio.to_thread(
                 self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image,
-                tolerance=tolerance, job=job,
+                tolerance=tolerance, plain=plain, job=job,
             )
         except asyncio.CancelledError:
             job.cancel()
@@ -165,13 +167,14 @@ class OptimizerRunner:
         verify: bool,
         image: ImageArgs | None = None,
         tolerance: VerifyTolerance | None = None,
+        plain: bool = True,
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
         tolerance = tolerance or VerifyTolerance()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
-            "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)),
+            "--fused-conv", str(int(fused_conv)), "--plain", str(int(plain)), "--verify", str(int(verify)),
             "--rtol", repr(tolerance.rtol), "--atol", repr(tolerance.atol),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
@@ -309,6 +312,7 @@ def _fused_conv_count(model: Any) -> int:
 def _job(
     source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
     label_count: int | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+    make_plain: bool = True,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -340,15 +344,20 @@ def _job(
     if not verify:
         _smoke_run(first)
     _save_variant(first, out_dir / FUSED_FILE)
-    if fused_made:
-        variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
-        del first
+    if not fused_made:  # one graph serves as either variant
+        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        return _result(digest, source, signature, variants)
+    variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+    del first
+    if make_plain:
         plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
                                                               atol=atol, input_normalization=normalization))
         _save_variant(plain, out_dir / PLAIN_FILE)
         variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    else:
-        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+    return _result(digest, source, signature, variants)
+
+
+def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "ok": True,
         "sha256": digest,
@@ -410,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--plain", type=int, choices=(0, 1), default=1, help="also the variant without FusedConv")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
@@ -420,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
-        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify),
+        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), make_plain=bool(args.plain),
+                      verify=bool(args.verify),
                       preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):

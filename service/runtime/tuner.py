@@ -33,6 +33,7 @@ from service.runtime.contract import EngineOptions
 from service.runtime.cpu_tuner import select_cpu
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
+from service.runtime.openvino import status as openvino_status
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.split_engine import SplitEngine
 from service.runtime.timing import score as _score
@@ -274,6 +275,17 @@ def _load_model(model: onnx.ModelProto, config: Config, settings: EngineOptions)
                           variant=config.key)
 
 
+ALL_VARIANTS = frozenset({"fused", "plain"})
+
+
+def choosable_variants(options: EngineOptions) -> frozenset[str]:
+    """The optimized variants a tuner on this machine may serve: "fused" everywhere (ORT's CPU provider
+    prefers it; CUDA runs it), "plain" only where a GPU may serve (the CUDA tuner times it, with NHWC) or the
+    OpenVINO EP does (it runs no com.microsoft op). Cheap: the GPU driver's device name, no CUDA session."""
+    gpu = options.device != "cpu" and gpu_name(options.device_id) is not None
+    return ALL_VARIANTS if gpu or openvino_status().usable else frozenset({"fused"})
+
+
 def select_variant(
     candidates: dict[str, onnx.ModelProto],
     settings: EngineOptions,
@@ -419,4 +431,4 @@ def _short_error(exc: BaseException) -> str:
     return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
 
 
-__all__ = ["Config", "select_variant", "time_batch", "time_calls"]
+__all__ = ["ALL_VARIANTS", "Config", "choosable_variants", "select_variant", "time_batch", "time_calls"]
