@@ -7,10 +7,10 @@ a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, su
 failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
-Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --plain 0|1 --verify 0|1
+Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --variants fused,plain --verify 0|1
 --memory-limit-mb N [--preprocess JSON] [--label-count N]``. The child writes the optimized variants into
-OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph and ``--plain``
-asks for it) and ``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one
+OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when both are asked for and FusedConv changed the
+graph) and ``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one
 means the child crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
 
 Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` (the labels of its
@@ -19,10 +19,9 @@ Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` 
 (``OptimizerConfig.input_normalization``) and verified against the original fed the normalised floats.
 
 Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
-FusedConv) is often faster on CUDA (FusedConv has no NHWC form) and is what the OpenVINO EP runs. The
-engine's tuner measures both, so both are produced when FusedConv is allowed, actually fused something,
-and the server can choose "plain" (``--plain 1``; ``runtime.tuner.choosable_variants``): a server without
-CUDA or OpenVINO never could, and is spared its optimization and verification.
+FusedConv) is what CUDA (NHWC; FusedConv has no NHWC form) and the OpenVINO EP run. Only the variants the
+server's tuner can choose among are made (``--variants``; ``runtime.tuner.choosable_variants``); when a graph
+has nothing FusedConv could fuse, one file serves as "plain".
 """
 
 from __future__ import annotations
@@ -143,16 +142,16 @@ class OptimizerRunner:
         self._lock = threading.Lock()
 
     async def run(
-        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None,
-        tolerance: VerifyTolerance | None = None, plain: bool = True,
+        self, source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, image: ImageArgs | None = None,
+        tolerance: VerifyTolerance | None = None,
     ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
         If the caller is cancelled (client gone, shutdown), the child is killed."""
         job = _Job()
         try:
             return await asyncio.to_thread(
-                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image,
-                tolerance=tolerance, plain=plain, job=job,
+                self.run_sync, source, out_dir, variants=variants, verify=verify, image=image,
+                tolerance=tolerance, job=job,
             )
         except asyncio.CancelledError:
             job.cancel()
@@ -163,18 +162,17 @@ class OptimizerRunner:
         source: Path,
         out_dir: Path,
         *,
-        fused_conv: bool,
+        variants: frozenset[str],
         verify: bool,
         image: ImageArgs | None = None,
         tolerance: VerifyTolerance | None = None,
-        plain: bool = True,
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
         tolerance = tolerance or VerifyTolerance()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
-            "--fused-conv", str(int(fused_conv)), "--plain", str(int(plain)), "--verify", str(int(verify)),
+            "--variants", ",".join(sorted(variants)), "--verify", str(int(verify)),
             "--rtol", repr(tolerance.rtol), "--atol", repr(tolerance.atol),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
@@ -310,9 +308,8 @@ def _fused_conv_count(model: Any) -> int:
 
 
 def _job(
-    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
+    source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, preprocess: str | None = None,
     label_count: int | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
-    make_plain: bool = True,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -333,9 +330,9 @@ def _job(
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))
     check_labels(uploaded, label_count)
-    variants: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify, rtol=rtol, atol=atol,
-                                                    input_normalization=normalization))
+    made: dict[str, dict[str, Any]] = {}
+    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, verify=verify, rtol=rtol,
+                                                    atol=atol, input_normalization=normalization))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
     # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
     # computes the same outputs (the optimizer proved it)
@@ -345,16 +342,16 @@ def _job(
         _smoke_run(first)
     _save_variant(first, out_dir / FUSED_FILE)
     if not fused_made:  # one graph serves as either variant
-        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
-        return _result(digest, source, signature, variants)
-    variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        made["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        return _result(digest, source, signature, made)
+    made["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
     del first
-    if make_plain:
+    if "plain" in variants:
         plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
                                                               atol=atol, input_normalization=normalization))
         _save_variant(plain, out_dir / PLAIN_FILE)
-        variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    return _result(digest, source, signature, variants)
+        made["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
+    return _result(digest, source, signature, made)
 
 
 def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -414,12 +411,19 @@ def _failure(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "error": "OptimizationError", "message": f"optimizer failed ({type(exc).__name__})"}
 
 
+def _variant_list(text: str) -> frozenset[str]:
+    names = frozenset(filter(None, text.split(",")))
+    if not names or not names <= {"fused", "plain"}:
+        raise argparse.ArgumentTypeError(f"variants are fused and/or plain, not {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.registry.sandbox")
     parser.add_argument("source", type=Path)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
-    parser.add_argument("--plain", type=int, choices=(0, 1), default=1, help="also the variant without FusedConv")
+    parser.add_argument("--variants", type=_variant_list, default=frozenset({"fused", "plain"}),
+                        help="the optimized variants to make: fused, plain or both (comma-separated)")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
@@ -430,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
-        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), make_plain=bool(args.plain),
-                      verify=bool(args.verify),
+        result = _job(args.source, args.out_dir, variants=args.variants, verify=bool(args.verify),
                       preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):

@@ -279,11 +279,13 @@ ALL_VARIANTS = frozenset({"fused", "plain"})
 
 
 def choosable_variants(options: EngineOptions) -> frozenset[str]:
-    """The optimized variants a tuner on this machine may serve: "fused" everywhere (ORT's CPU provider
-    prefers it; CUDA runs it), "plain" only where a GPU may serve (the CUDA tuner times it, with NHWC) or the
-    OpenVINO EP does (it runs no com.microsoft op). Cheap: the GPU driver's device name, no CUDA session."""
-    gpu = options.device != "cpu" and gpu_name(options.device_id) is not None
-    return ALL_VARIANTS if gpu or openvino_status().usable else frozenset({"fused"})
+    """The optimized variants a tuner on this machine may serve: on a GPU "plain" (FusedConv's CUDA kernel
+    has no NHWC form and lost to plain NHWC on the H200: docs/benchmarks.md), on the CPU "fused" (ORT's CPU
+    provider's own fusion), plus "plain" where the OpenVINO EP may serve (it runs no com.microsoft op).
+    Cheap: the GPU driver's device name, no CUDA session."""
+    if options.device != "cpu" and gpu_name(options.device_id) is not None:
+        return frozenset({"plain"})
+    return ALL_VARIANTS if openvino_status().usable else frozenset({"fused"})
 
 
 def select_variant(
