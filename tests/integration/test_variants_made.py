@@ -2,7 +2,8 @@
 
 "plain" (no FusedConv) is what CUDA and the OpenVINO EP serve, "fused" what ORT's CPU provider serves: a server
 is spared the optimization and verification of the variant it never serves, and a server that can serve more
-finds a store made without it stale and makes what it needs. Real optimizer children and ONNX Runtime engines, on the CPU."""
+finds a store made without it stale and makes what it needs. Real optimizer children and ONNX Runtime engines,
+on the CPU."""
 
 from __future__ import annotations
 
