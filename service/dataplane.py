@@ -259,12 +259,12 @@ class DataPlane:
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         """The version's configuration in Triton's model-config shape (what tritonclient reads)."""
         mv = self.find(name, version)
-        batched = mv.max_batch_size > 0
+        batched = mv.signature.batchable  # Triton: max_batch_size 0 means the dims are the whole tensors
         return {
             "name": mv.name,
             "platform": PLATFORM,
             "backend": "onnxruntime",
-            "max_batch_size": mv.max_batch_size,
+            "max_batch_size": mv.max_batch_size if batched else 0,
             "input": [{**_tensor_config(s, batched), "format": "FORMAT_NONE"} for s in mv.signature.inputs],
             "output": [_tensor_config(s, batched) for s in mv.signature.outputs],
             "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_s * 1e6)},
@@ -404,8 +404,8 @@ def describe_version(mv: ModelVersion) -> dict[str, Any]:
 
 
 def _tensor_config(spec: TensorSpec, batched: bool) -> dict[str, Any]:
-    dims = spec.kserve_shape()[1:] if batched else spec.kserve_shape()
     """Triton's ``ModelInput`` / ``ModelOutput`` fields (inputs add ``format``; outputs have none)."""
+    dims = spec.kserve_shape()[1:] if batched else spec.kserve_shape()
     return {"name": spec.name, "data_type": f"TYPE_{spec.datatype}", "dims": dims}
 
 

@@ -1,7 +1,8 @@
 """Graph optimizer for PyTorch-exported CNNs.
 
 ``optimize(model, config) -> (model, report)``: raises the opset where that is safe (so that
-``HardSwish`` exists), runs the pass pipeline to a fixed point, checks the result with
+``HardSwish`` exists), runs the pass pipeline to a fixed point, declares which outputs carry the batch
+(``shapes.declare_batch_dims``: what a server may merge and split), checks the result with
 ``onnx.checker`` and verifies it numerically against the original on ONNX Runtime's CPU provider.
 This package imports nothing from ``service.api`` or ``service.runtime``.
 """
@@ -21,12 +22,15 @@ from service.optimizer.opset import default_opset, upgrade_opset
 from service.optimizer.passes.fold_input_normalization import InputNormalization, fold_input_normalization
 from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
+from service.optimizer.shapes import batched_outputs, declare_batch_dims
 from service.optimizer.tolerance import USER, check_tolerance, is_looser
 from service.optimizer.verify import verify_equivalent
 from service.optimizer.verify_normalization import verify_input_normalization
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
-OPTIMIZER_VERSION = "3"  # 2: sink_conv_bias; 3: fuse_bn_into_{concat_convs,next_conv}, sink_conv_bias spares padded 1x1
+# 2: sink_conv_bias; 3: fuse_bn_into_{concat_convs,next_conv}, sink_conv_bias spares padded 1x1;
+# 4: fuse_identity_bn_into_conv, fuse_parallel_convs_into_conv (RepVGG / MobileOne blocks into one conv)
+OPTIMIZER_VERSION = "4"
 # ONNX Runtime 1.2x-1.3x reads IR versions up to 10-13; never write a newer one than we need.
 MAX_IR_VERSION = 10
 
@@ -92,6 +96,7 @@ def optimize(
             fold = functools.partial(fold_input_normalization, normalization=config.input_normalization)
             report.passes.append(run_once(graph, fold_input_normalization.__name__, fold))
         optimized = _export(graph, template=working)
+        declare_batch_dims(optimized, batched_outputs(model))
     except (InvalidModelError, OptimizationError):
         raise
     except Exception as exc:  # a pass met a graph it cannot handle: refuse cleanly, never serve it

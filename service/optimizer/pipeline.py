@@ -28,8 +28,10 @@ from service.optimizer.passes.fuse_dwconv_act_into_fused_op import fuse_dwconv_a
 from service.optimizer.passes.fuse_elementwise_into_conv import fuse_elementwise_into_conv
 from service.optimizer.passes.fuse_hardsigmoid import fuse_hardsigmoid
 from service.optimizer.passes.fuse_hardswish import fuse_hardswish
+from service.optimizer.passes.fuse_identity_bn_into_conv import fuse_identity_bn_into_conv
 from service.optimizer.passes.fuse_matmul_add_into_gemm import fuse_matmul_add_into_gemm
 from service.optimizer.passes.fuse_mul_hardsigmoid_into_hardswish import fuse_mul_hardsigmoid_into_hardswish
+from service.optimizer.passes.fuse_parallel_convs_into_conv import fuse_parallel_convs_into_conv
 from service.optimizer.passes.fuse_se_block_into_fused_op import fuse_se_block_into_fused_op
 from service.optimizer.passes.sink_conv_bias import sink_conv_bias
 
@@ -68,10 +70,14 @@ def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always, disabl
 # Explicit order: clean up first, then fold normalisation into convolutions: a BN goes into the conv (or
 # the Concat of convs) that writes it, else into a Gemm, and only then into the conv that reads it (that
 # fold needs an unpadded reader, the backward ones need nothing, so a BN between two convs always goes
-# backwards). Then the activation fusions, then constants into convolutions (after the activations: it
-# would otherwise fold the ``+ 3`` / ``/ 6`` of a hard-sigmoid that follows a conv into the conv and leave
-# an unmatchable Clip), then conv biases that only other convs read move into those (after every fold
-# into a conv's bias), and FusedConv last (it consumes the Relu/Add that the earlier passes leave).
+# backwards). Then the re-parameterizable blocks (RepVGG, MobileOne): their branch BNs are in their convs
+# by now, so an identity-branch BN goes into a conv it is summed with, then the summed convs into one
+# (identity first: the merge then finds convs only); both before any other pass takes the branches' Add
+# (FusedConv would make one branch the residual of another). Then the activation fusions, then constants
+# into convolutions (after the activations: it would otherwise fold the ``+ 3`` / ``/ 6`` of a hard-sigmoid
+# that follows a conv into the conv and leave an unmatchable Clip), then conv biases that only other convs
+# read move into those (after every fold into a conv's bias), and FusedConv last (it consumes the Relu/Add
+# that the earlier passes leave).
 DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(constants_to_initializers),
     _spec(eliminate_identity),
@@ -82,6 +88,8 @@ DEFAULT_PIPELINE: tuple[PassSpec, ...] = (
     _spec(fuse_bn_into_concat_convs),
     _spec(fuse_bn_into_gemm),
     _spec(fuse_bn_into_next_conv),
+    _spec(fuse_identity_bn_into_conv),
+    _spec(fuse_parallel_convs_into_conv),
     _spec(fuse_matmul_add_into_gemm),
     _spec(fuse_hardsigmoid),
     _spec(fuse_hardswish),

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 INLINE_CONSTANT_ELEMENTS = 4096
 """Initializers up to this many elements keep their values in the copy that shape inference sees."""
 BATCH_SYMBOL = "batch"
+UNKNOWN_PREFIX = "unk__"
+"""How ONNX shape inference names a dim it cannot resolve."""
 
 Dim = int | str | None
 """A dim as inference leaves it: a concrete size, a symbol, or None (unknown)."""
@@ -46,11 +48,69 @@ def output_dims(model: onnx.ModelProto) -> dict[str, list[int | None] | None]:
     instead of the exporter's example size. The outputs' declared shapes are dropped before inference:
     the result is what the graph computes, not what the exporter wrote down.
     """
+    return {name: None if dims is None else [d if isinstance(d, int) else None for d in dims]
+            for name, dims in _outputs_by_inference(model, min_rank=2).items()}
+
+
+def batched_outputs(model: onnx.ModelProto) -> dict[str, bool | None]:
+    """Which graph outputs carry the batch: True when inference derives an output's dim 0 from the inputs'
+    batch dim (as ``output_dims`` makes it symbolic), False when from anything else (a constant, the data:
+    a detector's boxes), None when inference cannot tell (unknown rank, or a dim 0 it left unknown or named
+    ``unk__N``: unknown is not "not the batch")."""
+    verdicts: dict[str, bool | None] = {}
+    for name, dims in _outputs_by_inference(model, min_rank=1).items():
+        first = dims[0] if dims else None
+        if dims is not None and not dims:
+            verdicts[name] = False  # a scalar
+        elif first is None or (isinstance(first, str) and first.startswith(UNKNOWN_PREFIX)):
+            verdicts[name] = None
+        else:
+            verdicts[name] = first == BATCH_SYMBOL
+    return verdicts
+
+
+def declare_batch_dims(model: onnx.ModelProto, verdicts: dict[str, bool | None]) -> None:
+    """Write into ``model``'s declared shapes which outputs carry the batch (``batched_outputs``), the way
+    ``runtime.contract.Signature`` reads them: a batched output's dim 0 is declared like the inputs' batch dim
+    (their symbol, or their fixed size); an output found not batched loses the inputs' symbol if it had it;
+    an unnamed dynamic input batch dim is named. Outputs inference could not tell about keep what the
+    exporter declared."""
+    initializers = {t.name for t in model.graph.initializer}
+    firsts = [info.type.tensor_type.shape.dim[0] for info in model.graph.input
+              if info.name not in initializers and _ranked(info)]
+    if not firsts:
+        return
+    fixed = next((d.dim_value for d in firsts if d.HasField("dim_value") and d.dim_value > 0), None)
+    symbol = next((d.dim_param for d in firsts if d.HasField("dim_param") and d.dim_param), BATCH_SYMBOL)
+    for dim in firsts:
+        if fixed is None and not dim.dim_param:
+            dim.dim_param = symbol
+    symbols = {d.dim_param for d in firsts if d.dim_param}
+    for info in model.graph.output:
+        verdict = verdicts.get(info.name)
+        if verdict is None or not _ranked(info):
+            continue
+        dim = info.type.tensor_type.shape.dim[0]
+        if verdict and fixed is not None:
+            dim.dim_value = fixed
+        elif verdict:
+            dim.dim_param = symbol
+        elif dim.HasField("dim_param") and dim.dim_param in symbols:
+            dim.dim_param = f"{info.name}_rows"
+
+
+def _ranked(info: onnx.ValueInfoProto) -> bool:
+    return info.type.HasField("tensor_type") and len(info.type.tensor_type.shape.dim) > 0
+
+
+def _outputs_by_inference(model: onnx.ModelProto, *, min_rank: int) -> dict[str, tuple[Dim, ...] | None]:
+    """Each graph output's dims as inference derives them with the batch dim of every input of at least
+    ``min_rank`` the symbol ``BATCH_SYMBOL`` and the outputs' declared shapes dropped."""
     copy = _weightless(model)
     initializers = {t.name for t in model.graph.initializer}
     for info in copy.graph.input:
         shape = info.type.tensor_type.shape if info.type.HasField("tensor_type") else None
-        if info.name in initializers or shape is None or len(shape.dim) < 2:
+        if info.name in initializers or shape is None or len(shape.dim) < min_rank:
             continue
         shape.dim[0].Clear()
         shape.dim[0].dim_param = BATCH_SYMBOL
@@ -58,11 +118,7 @@ def output_dims(model: onnx.ModelProto) -> dict[str, list[int | None] | None]:
         if info.type.HasField("tensor_type"):
             info.type.tensor_type.ClearField("shape")
     inferred = _infer(copy)
-    result: dict[str, list[int | None] | None] = {}
-    for info in inferred.graph.output:
-        dims = _dims(info)
-        result[info.name] = None if dims is None else [d if isinstance(d, int) else None for d in dims]
-    return result
+    return {info.name: _dims(info) for info in inferred.graph.output}
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -87,6 +87,15 @@ def demo_config() -> ModelConfig:
     )
 
 
+def server_variants(settings: ServiceSettings) -> frozenset[str]:
+    """The optimized variants the engines of this server can be chosen among (``choosable_variants`` on its
+    first device)."""
+    from service.runtime.tuner import choosable_variants
+
+    ordinals = settings.device_ordinals
+    return choosable_variants(EngineOptions(device=settings.device, device_id=ordinals[0] if ordinals else 0))
+
+
 def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
     """The engine options of a version; the device is the first of ``devices`` (an engine process of several
     devices pins them to its own)."""
@@ -108,6 +117,7 @@ class ModelManager:
     on by default, as any server may share its store. ``engine_loader``: where engines are built (in this
     process, or the engine process's client in a worker of several). ``devices``: the board of the engine
     processes' devices when there are several (readiness and metadata report the lost ones), else None.
+    ``variants``: the optimized variants to make (``server_variants``: what this machine's engines can serve).
     """
 
     def __init__(
@@ -119,6 +129,7 @@ class ModelManager:
         follow_store: bool = True,
         engine_loader: EngineLoader = load_in_process,
         devices: DeviceBoard | None = None,
+        variants: frozenset[str] | None = None,
     ) -> None:
         self.settings = settings
         self.devices = devices
@@ -130,7 +141,8 @@ class ModelManager:
         """Held while this process changes which versions exist (publish + register, unload + remove) and
         while it syncs with the store, so a sync never sees a version half-way."""
         self._engine_loader = engine_loader
-        self._optimizing = Optimizations(settings, self.store, self.check_accepting)
+        self._optimizing = Optimizations(settings, self.store, self.check_accepting,
+                                         server_variants(settings) if variants is None else variants)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
         self._started = False
         self.stopping = False

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.errors import UnprocessableError, printable
 from service.model_config import ModelConfig
 from service.registry.store import ORIGINAL
-from service.runtime.contract import Signature
+from service.runtime.contract import Signature, stored_record
 
 SCHEMA_VERSION = 2
 
@@ -58,6 +58,13 @@ class OptimizationRecord(_Record):
     optimized_at: str
     duration_s: float
     variants: dict[str, VariantRecord]
+    made_for: list[str] | None = None
+    """The variants the optimizer was asked for ("fused", "plain"): a graph FusedConv leaves unchanged is
+    stored once, as "plain". None: a release that made every variant."""
+
+    @property
+    def made_for_set(self) -> frozenset[str]:
+        return frozenset(self.made_for) if self.made_for is not None else frozenset({"fused", "plain"})
 
 
 class VersionMetadata(_Record):
@@ -137,11 +144,6 @@ class VersionMetadata(_Record):
 def engine_key(record: dict[str, Any]) -> str:
     """Which device a tuner record belongs to: the GPU model (or "cpu") and the ONNX Runtime version."""
     return f"{record.get('device')} | onnxruntime {record.get('ort_version')}"
-
-
-def stored_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A record as kept on disk: whether this load reused it is not part of the choice."""
-    return {key: value for key, value in record.items() if key != "reused"}
 
 
 def tensor_records(signature: Signature) -> dict[str, list[TensorRecord]]:

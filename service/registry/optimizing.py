@@ -49,10 +49,14 @@ def image_args(config: EffectiveConfig) -> ImageArgs | None:
 
 
 class Optimizations:
-    """``check_accepting`` raises ShuttingDownError once the server stops (a killed child then says so)."""
+    """``check_accepting`` raises ShuttingDownError once the server stops (a killed child then says so).
+    ``variants``: the optimized variants this server's tuner can choose among (``runtime.tuner.
+    choosable_variants``); the others are not made, and stored files made without one of them are stale."""
 
-    def __init__(self, settings: ServiceSettings, store: ModelStore, check_accepting: Callable[[], None]) -> None:
+    def __init__(self, settings: ServiceSettings, store: ModelStore, check_accepting: Callable[[], None],
+                 variants: frozenset[str]) -> None:
         self._store = store
+        self.variants = variants
         self._check_accepting = check_accepting
         self._runner = OptimizerRunner(timeout_s=settings.optimizer_timeout_s,
                                        memory_limit_mb=settings.optimizer_memory_mb)
@@ -70,11 +74,16 @@ class Optimizations:
             self.count += 1
             log.info("optimizing %s", what)
             try:
-                return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
+                return await self._runner.run(source, out_dir, variants=self.to_make(config), verify=config.verify,
                                               image=image_args(config), tolerance=config.tolerance)
             except OptimizationError:
                 self._check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise
+
+    def to_make(self, config: EffectiveConfig) -> frozenset[str]:
+        """The variants a version with ``config`` gets here: what this server can serve, "plain" alone where
+        the config allows no FusedConv."""
+        return self.variants if config.fused_conv else frozenset({"plain"})
 
     def record(self, outcome: OptimizeOutcome, config: EffectiveConfig) -> OptimizationRecord:
         """Runs in a thread (hashes the optimized files)."""
@@ -88,7 +97,7 @@ class Optimizations:
         return OptimizationRecord(
             cache_key=cache_key(outcome.sha256, OPTIMIZER_VERSION, config.graph_fields()),
             optimizer_version=OPTIMIZER_VERSION, fields=config.graph_fields(), optimized_at=now_iso(),
-            duration_s=round(outcome.duration_s, 3), variants=variants,
+            duration_s=round(outcome.duration_s, 3), variants=variants, made_for=sorted(self.to_make(config)),
         )
 
     def new_metadata(
@@ -112,6 +121,11 @@ class Optimizations:
         expected = cache_key(mv.metadata.original.sha256, OPTIMIZER_VERSION, mv.config.graph_fields())
         if optimization is None or optimization.cache_key != expected or not optimization.variants:
             log.info("%s v%d: optimized cache is stale (settings or optimizer changed)", mv.name, mv.version)
+            return False
+        missing = self.to_make(mv.config) - optimization.made_for_set
+        if missing:
+            log.info("%s v%d: optimized without the variant(s) %s, which this server can serve", mv.name,
+                     mv.version, ", ".join(sorted(missing)))
             return False
         for entry in optimization.variants.values():
             try:

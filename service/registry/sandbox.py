@@ -7,11 +7,13 @@ a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, su
 failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
-Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --verify 0|1
---memory-limit-mb N [--preprocess JSON] [--label-count N]``. The child writes the optimized variants into
-OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph) and
-``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one means the child
-crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
+Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --variants fused,plain --verify 0|1
+--memory-limit-mb N [--preprocess JSON] [--label-count N] [--rtol R] [--atol A]``; ``--rtol``/``--atol``
+come only where the model sets its own tolerance (left out, verification takes the default of the graph's
+precision). The child writes the optimized variants into OUT_DIR (``optimized.onnx``, and
+``optimized-plain.onnx`` when both are asked for and FusedConv changed the graph) and ``result.json``
+last. The parent reads only ``result.json``; a missing or unreadable one
+means the child crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
 
 Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` (the labels of its
 ``Postprocess``; only their number matters here) are checked against the uploaded model first
@@ -19,8 +21,9 @@ Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` 
 (``OptimizerConfig.input_normalization``) and verified against the original fed the normalised floats.
 
 Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
-FusedConv) is often faster on CUDA (FusedConv has no NHWC form). The engine's tuner measures both, so
-both are produced when FusedConv is allowed and actually fused something.
+FusedConv) is what CUDA (NHWC; FusedConv has no NHWC form) and the OpenVINO EP run. Only the variants the
+server's tuner can choose among are made (``--variants``; ``runtime.tuner.choosable_variants``); when a graph
+has nothing FusedConv could fuse, one file serves as "plain".
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ class OptimizerRunner:
         self._lock = threading.Lock()
 
     async def run(
-        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None,
+        self, source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, image: ImageArgs | None = None,
         tolerance: VerifyTolerance | None = None,
     ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
@@ -148,7 +151,7 @@ class OptimizerRunner:
         job = _Job()
         try:
             return await asyncio.to_thread(
-                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image,
+                self.run_sync, source, out_dir, variants=variants, verify=verify, image=image,
                 tolerance=tolerance, job=job,
             )
         except asyncio.CancelledError:
@@ -160,7 +163,7 @@ class OptimizerRunner:
         source: Path,
         out_dir: Path,
         *,
-        fused_conv: bool,
+        variants: frozenset[str],
         verify: bool,
         image: ImageArgs | None = None,
         tolerance: VerifyTolerance | None = None,
@@ -169,7 +172,7 @@ class OptimizerRunner:
         started = time.monotonic()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
-            "--fused-conv", str(int(fused_conv)), "--verify", str(int(verify)), *_tolerance_argv(tolerance),
+            "--variants", ",".join(sorted(variants)), "--verify", str(int(verify)), *_tolerance_argv(tolerance),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
@@ -313,7 +316,7 @@ def _fused_conv_count(model: Any) -> int:
 
 
 def _job(
-    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
+    source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, preprocess: str | None = None,
     label_count: int | None = None, rtol: float | None = None, atol: float | None = None,
 ) -> dict[str, Any]:
     import hashlib
@@ -335,9 +338,9 @@ def _job(
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))
     check_labels(uploaded, label_count)
-    variants: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify, rtol=rtol, atol=atol,
-                                                    input_normalization=normalization))
+    made: dict[str, dict[str, Any]] = {}
+    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, verify=verify, rtol=rtol,
+                                                    atol=atol, input_normalization=normalization))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
     # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
     # computes the same outputs (the optimizer proved it)
@@ -346,15 +349,20 @@ def _job(
     if not verify:
         _smoke_run(first)
     _save_variant(first, out_dir / FUSED_FILE)
-    if fused_made:
-        variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
-        del first
+    if not fused_made:  # one graph serves as either variant
+        made["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        return _result(digest, source, signature, made)
+    made["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+    del first
+    if "plain" in variants:
         plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
                                                               atol=atol, input_normalization=normalization))
         _save_variant(plain, out_dir / PLAIN_FILE)
-        variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    else:
-        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        made["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
+    return _result(digest, source, signature, made)
+
+
+def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "ok": True,
         "sha256": digest,
@@ -411,11 +419,19 @@ def _failure(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "error": "OptimizationError", "message": f"optimizer failed ({type(exc).__name__})"}
 
 
+def _variant_list(text: str) -> frozenset[str]:
+    names = frozenset(filter(None, text.split(",")))
+    if not names or not names <= {"fused", "plain"}:
+        raise argparse.ArgumentTypeError(f"variants are fused and/or plain, not {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.registry.sandbox")
     parser.add_argument("source", type=Path)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--variants", type=_variant_list, default=frozenset({"fused", "plain"}),
+                        help="the optimized variants to make: fused, plain or both (comma-separated)")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
@@ -428,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
-        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), verify=bool(args.verify),
+        result = _job(args.source, args.out_dir, variants=args.variants, verify=bool(args.verify),
                       preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):

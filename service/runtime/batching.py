@@ -60,3 +60,17 @@ def split_rows(outputs: Mapping[str, np.ndarray], sizes: Sequence[int], *, copy:
         parts.append({name: value[rows].copy() if copy else value[rows] for name, value in outputs.items()})
         offset += n
     return parts
+
+
+def concatenated(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The parts' inputs as one batch (rows in part order)."""
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+def padded(array: np.ndarray, size: int) -> np.ndarray:
+    """``array`` with zero rows after its own, ``size`` rows in all."""
+    if array.shape[0] == size:
+        return array
+    padded = np.zeros((size, *array.shape[1:]), array.dtype)
+    padded[: array.shape[0]] = array
+    return padded

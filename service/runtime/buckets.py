@@ -38,6 +38,18 @@ class Bucket:
     run_options: ort.RunOptions
 
 
+def preallocatable(signature: Signature) -> bool:
+    """A bucket's outputs can live in buffers bound once (IO binding, CUDA graphs): fixed input sample shapes,
+    and every call either pads to a bucket and cuts the outputs' rows (``outputs_batched``), or runs the
+    model's fixed batch exactly, with every unbatched output's shape declared. A model whose unbatched outputs
+    depend on a dynamic batch, or on the data (a detector's boxes), runs each request as sent."""
+    if not signature.fixed_shapes:
+        return False
+    if signature.outputs_batched:
+        return True
+    return signature.fixed_batch and all(spec.batched or None not in spec.shape for spec in signature.outputs)
+
+
 def run_options(graph_id: int | None) -> ort.RunOptions:
     """Run options that replay (or capture) CUDA graph ``graph_id``; -1 runs without capturing."""
     options = ort.RunOptions()
@@ -62,6 +74,16 @@ def bind(
         outputs[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, spec.dtype, *device)
         binding.bind_ortvalue_output(spec.name, outputs[spec.name])
     return Bucket(size, binding, inputs, outputs, staging, run_options(graph_id))
+
+
+def read_outputs(bucket: Bucket, n: int, batched: frozenset[str], *, copy: bool) -> dict[str, np.ndarray]:
+    """The bucket's outputs after a run: the first ``n`` rows of the ``batched`` ones, the others whole.
+    ``copy`` where ``numpy()`` shares the bound buffer (a CPU OrtValue; a device one's is a fresh host copy)."""
+    outputs = {}
+    for name, value in bucket.outputs.items():
+        array = value.numpy()[:n] if name in batched else value.numpy()
+        outputs[name] = array.copy() if copy else array
+    return outputs
 
 
 def copy_through_staging(bucket: Bucket, parts: Sequence[Mapping[str, np.ndarray]], sizes: Sequence[int]) -> None:

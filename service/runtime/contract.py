@@ -70,11 +70,14 @@ def datatype_of(dtype: np.dtype) -> str:
 # ------------------------------------------------------------------------------------------ tensors
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One model input or output. ``shape[0]`` is the batch dimension; ``None`` marks a dynamic dim."""
+    """One model input or output. ``None`` marks a dynamic dim. An input's ``shape[0]`` is the batch dimension;
+    an output's is when ``batched`` (its rows are the request's rows: the batcher may merge requests and split
+    the rows back); an output that is not batched (a detector's boxes, a count) is served whole, as computed."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...]
+    batched: bool = True
 
     @property
     def datatype(self) -> str:
@@ -104,15 +107,39 @@ class TensorSpec:
         return f"{self.datatype} {shape_text(self.shape)}"
 
 
-def _onnx_spec(value: onnx.ValueInfoProto, kind: str) -> TensorSpec:
+def _onnx_spec(value: onnx.ValueInfoProto, kind: str, batch: BatchDim | None = None) -> TensorSpec:
     tensor = value.type.tensor_type
     elem = tensor.elem_type
     if not value.type.HasField("tensor_type") or elem not in ONNX_TO_NUMPY:
         raise InvalidModelError(f"model {kind} {printable(value.name)!r} has an unsupported element type ({elem})")
-    if not tensor.HasField("shape") or not tensor.shape.dim:
-        raise InvalidModelError(f"model {kind} {printable(value.name)!r} needs a declared shape with a batch dimension")
+    if not tensor.HasField("shape") or (kind == "input" and not tensor.shape.dim):
+        need = "a declared shape with a batch dimension" if kind == "input" else "a declared shape (rank)"
+        raise InvalidModelError(f"model {kind} {printable(value.name)!r} needs {need}")
     dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor.shape.dim)
-    return TensorSpec(value.name, ONNX_TO_NUMPY[elem], dims)
+    batched = batch is None or (bool(tensor.shape.dim) and batch.declared_by(tensor.shape.dim[0]))
+    return TensorSpec(value.name, ONNX_TO_NUMPY[elem], dims, batched)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDim:
+    """What the inputs declare as their batch dim (dim 0): fixed sizes and symbols. An output is batched when
+    its dim 0 is declared the same way: the same symbol, or, for a model with a fixed batch, the same size.
+    The optimizer writes these declarations from shape inference (``optimizer.shapes.declare_batch_dims``),
+    so a served graph says which of its outputs follow the batch."""
+
+    sizes: frozenset[int]
+    symbols: frozenset[str]
+
+    @classmethod
+    def of_inputs(cls, inputs: Iterable[onnx.ValueInfoProto]) -> BatchDim:
+        dims = [v.type.tensor_type.shape.dim[0] for v in inputs if v.type.tensor_type.shape.dim]
+        return cls(frozenset(d.dim_value for d in dims if d.HasField("dim_value") and d.dim_value > 0),
+                   frozenset(d.dim_param for d in dims if d.HasField("dim_param") and d.dim_param))
+
+    def declared_by(self, dim: Any) -> bool:
+        if self.sizes:
+            return dim.HasField("dim_value") and dim.dim_value in self.sizes
+        return dim.HasField("dim_param") and dim.dim_param in self.symbols
 
 
 # ---------------------------------------------------------------------------------------- signature
@@ -134,17 +161,21 @@ class Signature:
     @classmethod
     def from_onnx(cls, model: onnx.ModelProto) -> Signature:
         """The main graph's inputs (initializers, sparse ones too, excluded) and outputs; dims <= 0 or
-        symbolic are dynamic."""
+        symbolic are dynamic; an output is batched when its dim 0 is declared like the inputs' (``BatchDim``)."""
         graph = model.graph
         constant = {t.name for t in graph.initializer} | {s.values.name for s in graph.sparse_initializer}
-        inputs = tuple(_onnx_spec(v, "input") for v in graph.input if v.name not in constant)
-        outputs = tuple(_onnx_spec(v, "output") for v in graph.output)
+        real = [v for v in graph.input if v.name not in constant]
+        inputs = tuple(_onnx_spec(v, "input") for v in real)
+        batch = BatchDim.of_inputs(real)
+        outputs = tuple(_onnx_spec(v, "output", batch) for v in graph.output)
         if not inputs or not outputs:
             raise InvalidModelError("model needs at least one input and one output")
         return cls(inputs, outputs)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Signature:
+        """What ``to_dict`` wrote (KServe's tensor metadata): it does not say which outputs are batched, so
+        every one counts as batched; engines take their signature from the graph (``from_onnx``)."""
         return cls(tuple(map(TensorSpec.from_dict, data["inputs"])), tuple(map(TensorSpec.from_dict, data["outputs"])))
 
     def to_dict(self) -> dict[str, list[dict[str, Any]]]:
@@ -183,10 +214,26 @@ class Signature:
         """Every input dim but the batch dim is known (buffers can be preallocated, graphs captured)."""
         return all(d is not None for spec in self.inputs for d in spec.shape[1:])
 
+    @property
+    def fixed_batch(self) -> bool:
+        """An input declares a fixed batch size: every request carries exactly that many rows."""
+        return any(spec.shape[0] is not None for spec in self.inputs)
+
+    @property
+    def outputs_batched(self) -> bool:
+        """Every output carries the batch: a call may be padded to a bucket or chunked, and its rows cut back."""
+        return all(spec.batched for spec in self.outputs)
+
+    @property
+    def batchable(self) -> bool:
+        """Requests can be merged into one call: a dynamic batch dim on every input and every output batched
+        (else one request runs per call, and gets what the model computes for it)."""
+        return not self.fixed_batch and self.outputs_batched
+
     def samples_per_call(self, configured: int, engine_max: int) -> int:
         """Most samples one engine call may take when requests are merged: the configured batch size within
-        the engine's largest bucket, or 1 when requests cannot be merged (an input with a fixed batch dim)."""
-        if any(spec.shape[0] is not None for spec in self.inputs):
+        the engine's largest bucket, or 1 when requests cannot be merged (not ``batchable``)."""
+        if not self.batchable:
             return 1
         return max(1, min(int(configured), int(engine_max)))
 
@@ -360,7 +407,9 @@ class Engine(Protocol):
     """What the batcher, the registry and the engine process need of an engine, wherever it runs.
 
     ``run_parts`` runs several requests' inputs as one batch (any total; above ``max_batch_size`` it is
-    chunked) and returns outputs whose first dimension is the total. At most ``max_concurrent_calls`` threads
+    chunked when every output carries the batch) and returns the outputs: a batched output's first dimension is the
+    total, any other output is whole, as the model computed it (only a ``batchable`` signature's requests are
+    ever merged). At most ``max_concurrent_calls`` threads
     may call it at once (1 for an engine in this process). ``last_engine_seconds`` is the time the device
     itself took for the calling thread's last call (None where the engine cannot tell). ``prepare_thread``
     readies the calling thread (a CUDA-graph engine captures its graphs per thread). ``page_locker`` is the
@@ -401,6 +450,12 @@ class LoadRequest:
     cached_records: tuple[dict[str, Any], ...] = ()
 
 
+def stored_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A tuner record as kept and handed back as a cached choice: whether a load reused it is not part of
+    the choice."""
+    return {key: value for key, value in record.items() if key != "reused"}
+
+
 @dataclasses.dataclass
 class LoadedEngine:
     """An engine and the tuner's JSON-able record of how it was chosen; ``records``: the records of further
@@ -421,5 +476,5 @@ class EngineLoader(Protocol):
 __all__ = [
     "KSERVE_TO_NUMPY", "MAX_FIXED_ELEMENTS", "NUMPY_TO_KSERVE", "ONNX_TO_NUMPY", "Engine", "EngineLoader",
     "EngineOptions", "InferenceRequest", "LoadRequest", "LoadedEngine", "PageLocker", "Signature", "TensorSpec",
-    "datatype_of", "random_feeds", "shape_text",
+    "datatype_of", "random_feeds", "shape_text", "stored_record",
 ]

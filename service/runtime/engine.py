@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from service.errors import EngineError, InvalidModelError, first_line
 from service.graph_precision import graph_precision
+from service.runtime.batching import concatenated, padded
 from service.runtime.buckets import (
     Bucket,
     GraphUnusable,
@@ -39,6 +40,8 @@ from service.runtime.buckets import (
     bind,
     check_replay,
     copy_through_staging,
+    preallocatable,
+    read_outputs,
     run_options,
 )
 from service.runtime.contract import EngineOptions, PageLocker, Signature, TensorSpec, random_feeds
@@ -105,7 +108,8 @@ class OrtEngine:
         self._choice = choice
         self._options = options
         # IO binding needs fixed shapes; on CPU it brings nothing (tests switch it on to cover that path)
-        self._io_binding = (choice.is_cuda if io_binding is None else io_binding) and self.signature.fixed_shapes
+        self._io_binding = (choice.is_cuda if io_binding is None else io_binding) and preallocatable(self.signature)
+        self._batched = frozenset(spec.name for spec in self.signature.outputs if spec.batched)
         self._io_device = ("cuda", choice.device_id) if choice.is_cuda else ("cpu", 0)
         self._bound: dict[int, Bucket] = {}
         self._output_names = [o.name for o in self.signature.outputs]
@@ -207,11 +211,12 @@ class OrtEngine:
         return self.run_parts([feeds])
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Run several requests as one batch; outputs in the order of the parts, trimmed to their rows.
+        """Run several requests as one batch; batched outputs trimmed to the parts' rows, the others whole.
 
         With IO binding each part is copied straight into its rows of the device buffer (CUDA runtime) or of
-        the bucket's staging array: never concatenated first. Above the largest bucket the parts are
-        concatenated and run in chunks of the largest bucket."""
+        the bucket's staging array: never concatenated first. Above the largest bucket the parts of a
+        model whose outputs all carry the batch are concatenated and run in chunks of the largest bucket;
+        any other model's request runs as sent."""
         if self._closed:
             raise EngineError("engine is closed")
         if not parts:
@@ -220,7 +225,11 @@ class OrtEngine:
         total = sum(sizes)
         with self._one_caller():
             started = time.perf_counter()
-            if total > self.max_batch_size:
+            whole = not self.signature.outputs_batched
+            if whole and self.signature.fixed_batch and total != self.max_batch_size:
+                raise EngineError(f"internal error: {total} rows for a model that runs exactly its batch of "
+                                  f"{self.max_batch_size} (not every output carries the batch)")
+            if total > self.max_batch_size and not whole:
                 outputs = self._run_chunked(parts, total)
             else:
                 outputs = self._run_fitting(parts, sizes, total)
@@ -236,22 +245,23 @@ class OrtEngine:
         try:
             if self._io_binding:
                 return self._run_bucket(self._bound[size], parts, sizes)
-            feeds = parts[0] if len(parts) == 1 else _concatenated(parts)
-            if total != size and self._fixed_batch:  # a fixed-batch export takes exactly its batch size
-                feeds = {k: _pad(v, size) for k, v in feeds.items()}
+            feeds = parts[0] if len(parts) == 1 else concatenated(parts)
+            if total != size and self.signature.fixed_batch:  # a fixed-batch export takes exactly its batch size
+                feeds = {k: padded(v, size) for k, v in feeds.items()}
             self._lock.acquire_shared()
             try:
                 results = self._session.run(self._output_names, dict(feeds))
             finally:
                 self._lock.release_shared()
-            return {name: r[:total] for name, r in zip(self._output_names, results, strict=True)}
+            return {name: r[:total] if name in self._batched else r
+                    for name, r in zip(self._output_names, results, strict=True)}
         except EngineError:
             raise
         except Exception as exc:
             raise self._inference_error(total, exc) from exc
 
     def _run_chunked(self, parts: Sequence[Mapping[str, np.ndarray]], total: int) -> dict[str, np.ndarray]:
-        feeds = parts[0] if len(parts) == 1 else _concatenated(parts)
+        feeds = parts[0] if len(parts) == 1 else concatenated(parts)
         step = self.max_batch_size
         chunks = []
         for start in range(0, total, step):
@@ -276,14 +286,11 @@ class OrtEngine:
         logger.error("inference failed on %s (batch %d): %s", self.provider, n, exc)
         return EngineError(f"inference failed on {self.provider}: {first_line(exc)}")
 
-    @property
-    def _fixed_batch(self) -> bool:
-        return any(spec.shape[0] is not None for spec in self.signature.inputs)
-
     def _run_bucket(
         self, bucket: Bucket, parts: Sequence[Mapping[str, np.ndarray]], sizes: Sequence[int], *, locked: bool = False
     ) -> dict[str, np.ndarray]:
-        """Copy the parts' rows in, run the bucket, copy the first n rows out."""
+        """Copy the parts' rows in, run the bucket, copy the first n rows of the batched outputs out (the others
+        whole)."""
         if not locked:
             self._lock.acquire_shared()
         try:
@@ -296,9 +303,7 @@ class OrtEngine:
                 copy_through_staging(bucket, parts, sizes)
             self._session.run_with_iobinding(bucket.binding, bucket.run_options)
             bucket.binding.synchronize_outputs()
-            if self._io_device[0] == "cpu":  # numpy() of a CPU OrtValue shares the bound buffer: copy it
-                return {name: value.numpy()[:n].copy() for name, value in bucket.outputs.items()}
-            return {name: value.numpy()[:n] for name, value in bucket.outputs.items()}  # a fresh host copy
+            return read_outputs(bucket, n, self._batched, copy=self._io_device[0] == "cpu")
         finally:
             if not locked:
                 self._lock.release_shared()
@@ -449,7 +454,7 @@ def _load_cuda(
 
     common = dict(choice=choice, options=options, buckets=buckets)
     fallback = None
-    if options.cuda_graph and Signature.from_onnx(proto).fixed_shapes:
+    if options.cuda_graph and preallocatable(Signature.from_onnx(proto)):
         try:
             session = cuda_session(data, options, tuning, graph=True)
             return _warmed(session, proto, variant=built(True), **common)
@@ -488,18 +493,6 @@ def _summary(info: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _concatenated(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-
-
-def _pad(array: np.ndarray, size: int) -> np.ndarray:
-    if array.shape[0] == size:
-        return array
-    padded = np.zeros((size, *array.shape[1:]), array.dtype)
-    padded[: array.shape[0]] = array
-    return padded
-
-
 def _proto_and_bytes(model: onnx.ModelProto | bytes) -> tuple[onnx.ModelProto, bytes]:
     if isinstance(model, onnx.ModelProto):
         return model, model.SerializeToString()

@@ -33,6 +33,7 @@ from service.runtime.contract import EngineOptions
 from service.runtime.cpu_tuner import select_cpu
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
+from service.runtime.openvino import status as openvino_status
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.split_engine import SplitEngine
 from service.runtime.timing import score as _score
@@ -274,6 +275,19 @@ def _load_model(model: onnx.ModelProto, config: Config, settings: EngineOptions)
                           variant=config.key)
 
 
+ALL_VARIANTS = frozenset({"fused", "plain"})
+
+
+def choosable_variants(options: EngineOptions) -> frozenset[str]:
+    """The optimized variants a tuner on this machine may serve: on a GPU "plain" (FusedConv's CUDA kernel
+    has no NHWC form and lost to plain NHWC on the H200: docs/benchmarks.md), on the CPU "fused" (ORT's CPU
+    provider's own fusion), plus "plain" where the OpenVINO EP may serve (it runs no com.microsoft op).
+    Cheap: the GPU driver's device name, no CUDA session."""
+    if options.device != "cpu" and gpu_name(options.device_id) is not None:
+        return frozenset({"plain"})
+    return ALL_VARIANTS if openvino_status().usable else frozenset({"fused"})
+
+
 def select_variant(
     candidates: dict[str, onnx.ModelProto],
     settings: EngineOptions,
@@ -419,4 +433,4 @@ def _short_error(exc: BaseException) -> str:
     return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
 
 
-__all__ = ["Config", "select_variant", "time_batch", "time_calls"]
+__all__ = ["ALL_VARIANTS", "Config", "choosable_variants", "select_variant", "time_batch", "time_calls"]

@@ -173,6 +173,9 @@ class Supervisor:
         self.restarts: collections.deque[float] = collections.deque()
         # each worker's open connections, for server.balance (one slot per worker)
         self.connection_counts = self.ctx.RawArray("i", settings.workers)
+        from service.registry.manager import server_variants
+
+        self.variants = server_variants(settings)  # asked once here: a worker has no device of its own
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -204,7 +207,7 @@ class Supervisor:
         started, loaded = self.ctx.Event(), self.ctx.Event()
         engines = self.engines
         args = (self.settings, self.host, self.port, index, first_start and index == 0, (started, loaded),
-                (engines.devices, engines.addresses, engines.board_slots), self.connection_counts)
+                (engines.devices, engines.addresses, engines.board_slots), self.connection_counts, self.variants)
         process = self.ctx.Process(target=_worker_main, args=args, name=f"service-worker-{index}")
         process.start()
         log.info("worker %d started (pid %d)", index, process.pid)
@@ -305,6 +308,7 @@ def _worker_main(
     events: tuple[Any, Any],
     engines: tuple[list[Device], list[HostAddress], Any],
     connection_counts: Any,
+    variants: frozenset[str],
 ) -> None:
     """One worker process: the app on the shared socket, its engines in the engine processes (``engines``: the
     devices, their engine processes' addresses and the device board's shared slots).
@@ -323,7 +327,7 @@ def _worker_main(
     metrics.set_devices(len(devices))
     loader, board = _engine_loader(devices, addresses, board_slots)
     manager = ModelManager(settings, metrics=metrics, prepare_store=prepare_store, follow_store=True,
-                           engine_loader=loader, devices=board)
+                           engine_loader=loader, devices=board, variants=variants)
     started, loaded = events
 
     def on_started() -> None:

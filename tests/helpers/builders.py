@@ -125,6 +125,55 @@ def wide_gemm(features: int = 256, outputs: int = 400, seed: int = 0) -> bytes:
     return _model(graph).SerializeToString()
 
 
+def reshape_rows() -> bytes:
+    """One node, ``Reshape`` [1, 6] -> [3, 2]: a model whose output's first dim is not the batch."""
+    shape = numpy_helper.from_array(np.array([3, 2], np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "reshape_rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])], [shape],
+    )
+    model = _model(graph)
+    onnx.checker.check_model(model, full_check=True)
+    return model.SerializeToString()
+
+
+def detector_like(batch: int | str = "N", threshold: float = 0.5) -> bytes:
+    """Shaped like an exported detector: input ``x`` [batch, 3, 8, 8]; ``logits`` [batch, 3] (batched) and
+    ``boxes`` [K, 4], ``scores`` [K]: the 4-value cells of the whole batch whose max exceeds ``threshold``,
+    K depending on the data (NonZero), like a detector's detections. Exporters name such dims apart from the
+    batch (here ``K``)."""
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (3, 3)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.array([-1, 4], np.int64), "cells"),
+        numpy_helper.from_array(np.array([threshold], np.float32), "threshold"),
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+    ]
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["pool"]),
+        helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "fc_w"], ["logits"]),
+        helper.make_node("Reshape", ["x", "cells"], ["all_cells"]),
+        helper.make_node("ReduceMax", ["all_cells"], ["cell_max"], axes=[1], keepdims=0),
+        helper.make_node("Greater", ["cell_max", "threshold"], ["keep"]),
+        helper.make_node("NonZero", ["keep"], ["kept"]),
+        helper.make_node("Squeeze", ["kept", "axis0"], ["index"]),
+        helper.make_node("Gather", ["all_cells", "index"], ["boxes"], axis=0),
+        helper.make_node("Gather", ["cell_max", "index"], ["scores"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "detector_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 3]),
+         helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["K", 4]),
+         helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["K"])],
+        inits,
+    )
+    model = _model(graph)
+    onnx.checker.check_model(model, full_check=True)
+    return model.SerializeToString()
+
+
 def reference(model: bytes, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Independent expected outputs: ONNX Runtime on the ORIGINAL graph, its optimizations off."""
     opts = ort.SessionOptions()

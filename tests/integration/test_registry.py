@@ -40,6 +40,7 @@ from service.registry.sync import StoreFollower
 from service.registry.version import ModelState, ModelVersion
 from service.runtime.contract import Engine, LoadedEngine, LoadRequest
 from service.runtime.loading import load_in_process
+from service.runtime.tuner import ALL_VARIANTS
 from service.settings import ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)
@@ -150,7 +151,7 @@ def test_upload_serve_restart_reuses_the_cache(tmp_path):
     settings = settings_for(tmp_path)
 
     async def first_life():
-        manager = ModelManager(settings)
+        manager = ModelManager(settings, variants=ALL_VARIANTS)
         await manager.start()
         mv = await upload(manager, "tiny", model)
         assert (mv.name, mv.version, mv.state) == ("tiny", 1, ModelState.READY)
@@ -172,7 +173,7 @@ def test_upload_serve_restart_reuses_the_cache(tmp_path):
     assert json.loads(meta_before)["schema_version"] == 2
 
     async def second_life():
-        manager = ModelManager(settings)
+        manager = ModelManager(settings, variants=ALL_VARIANTS)
         await manager.start()
         assert manager.ready and manager.table.names() == ["tiny"]
         again = await infer(manager.table.get("tiny"), {"x": images(2, seed=99)})

@@ -89,3 +89,63 @@ def never_pads(params: ConvParams) -> bool:
     if any(node.attrs.get("pads", [])):
         return False
     return auto_pad in ("NOTSET", "VALID") or all(k == 1 for k in params.weight.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """Where a Conv's kernel sits on its input: per spatial dim, the kernel size, stride, dilation and the
+    explicit begin/end padding (``auto_pad`` resolved where it does not depend on the input size)."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads_begin: tuple[int, ...]
+    pads_end: tuple[int, ...]
+
+    @property
+    def keeps_position(self) -> bool:
+        """Stride 1 and the kernel's centre tap on the output pixel: output pixel ``p`` is centred on input
+        pixel ``p`` (so the spatial shape is kept), which needs an odd kernel padded by
+        ``dilation * (k - 1) / 2`` on each side."""
+        return all(
+            s == 1 and k % 2 == 1 and b == e == d * (k - 1) // 2
+            for k, s, d, b, e in zip(self.kernel, self.strides, self.dilations, self.pads_begin, self.pads_end,
+                                     strict=True)
+        )
+
+
+def conv_geometry(params: ConvParams) -> ConvGeometry | None:
+    """The geometry of a Conv, or None when malformed or padded ``SAME_*`` with a stride (input-dependent)."""
+    node, kernel = params.node, tuple(int(k) for k in params.weight.shape[2:])
+    spatial = len(kernel)
+    strides = tuple(int(s) for s in node.attrs.get("strides", [1] * spatial))
+    dilations = tuple(int(d) for d in node.attrs.get("dilations", [1] * spatial))
+    pads = tuple(int(p) for p in node.attrs.get("pads", [0] * 2 * spatial))
+    declared = node.attrs.get("kernel_shape")
+    if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial:
+        return None
+    if (declared is not None and tuple(declared) != kernel) or min(strides + dilations) < 1 or min(pads) < 0:
+        return None
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        pads = (0,) * 2 * spatial
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if any(s != 1 for s in strides):
+            return None
+        totals = [d * (k - 1) for k, d in zip(kernel, dilations, strict=True)]
+        small = [t // 2 for t in totals]
+        large = [t - t // 2 for t in totals]
+        pads = tuple(small + large) if auto_pad == "SAME_UPPER" else tuple(large + small)
+    elif auto_pad != "NOTSET":
+        return None
+    return ConvGeometry(kernel, strides, dilations, pads[:spatial], pads[spatial:])
+
+
+def set_geometry(
+    node: gs.Node, kernel: tuple[int, ...], pads_begin: tuple[int, ...], pads_end: tuple[int, ...]
+) -> None:
+    """Write a new kernel size and explicit pads on ``node`` (``auto_pad`` NOTSET)."""
+    node.attrs.pop("auto_pad", None)
+    node.attrs["kernel_shape"] = list(kernel)
+    node.attrs["pads"] = list(pads_begin) + list(pads_end)

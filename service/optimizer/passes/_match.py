@@ -173,7 +173,11 @@ def can_bypass(node: gs.Node, graph: gs.Graph) -> bool:
     """True when ``bypass(node, graph)`` would remove the node (see there)."""
     if len(node.outputs) != 1 or not node.inputs:
         return False
-    source, result = node.inputs[0], node.outputs[0]
+    return can_pass_through(graph, node.inputs[0], node.outputs[0])
+
+
+def can_pass_through(graph: gs.Graph, source: gs.Tensor, result: gs.Tensor) -> bool:
+    """True when a node writing ``result`` from ``source`` unchanged could be bypassed (see ``bypass``)."""
     if source is result or source.is_empty():
         return False
     if not is_graph_output(graph, result):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import EngineError, ModelNotReadyError
-from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker
+from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker, stored_record
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.client import (
     IN_FLIGHT,
@@ -303,7 +303,8 @@ class SpreadEngineLoader:
             except EngineGoneError as exc:
                 reasons.append(f"{lane.label}: {exc.message}")
                 continue
-            lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, loaded.record
+            record = stored_record(loaded.record)
+            lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, record
             return lane, loaded
         raise EngineGoneError(f"no device could load the model ({'; '.join(reasons)})")
 
@@ -325,7 +326,7 @@ class SpreadEngineLoader:
         if loaded.record.get("device") != shared.get("device"):  # another GPU model: it made its own choice
             log.info("model %s: device %s is a %s, not a %s: it has its own tuner record", request.label,
                      lane.label, loaded.record.get("device"), shared.get("device"))
-        lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, loaded.record
+        lane.engines, lane.idle, lane.lost, lane.record = engines, list(engines), False, stored_record(loaded.record)
 
     def _watch(self) -> None:
         while True:

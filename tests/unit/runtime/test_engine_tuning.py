@@ -13,11 +13,12 @@ import pytest
 from engine_models import conv_relu_net
 from onnx import TensorProto
 
-from service.runtime import tuner
+from service.runtime import cpu_tuner, tuner
 from service.runtime.child import ChildProcessFailed
 from service.runtime.contract import EngineOptions
 from service.runtime.device import CUDA, DeviceChoice, cuda_status
 from service.runtime.engine import OrtEngine
+from service.runtime.openvino import OpenVinoStatus
 from service.runtime.precision import check_fp16, to_fp16
 from service.runtime.split_engine import SplitEngine
 from service.runtime.tuner import Config, select_variant
@@ -153,7 +154,11 @@ def test_tuner_respects_the_budget(candidates: dict[str, onnx.ModelProto]) -> No
 
 
 @pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
-def test_select_variant_on_cpu_takes_fused_without_timing(candidates: dict[str, onnx.ModelProto]) -> None:
+def test_select_variant_on_cpu_takes_fused_without_timing(
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # where the OpenVINO EP serves (an Intel CPU) the CPU tuner times it against ORT: that is test_openvino's
+    monkeypatch.setattr(cpu_tuner, "status", lambda: OpenVinoStatus(False, "no OpenVINO in this test"))
     engine, record = select_variant(candidates, EngineOptions(buckets=(1, 2)), precision="auto")
     try:
         assert engine.provider == "CPUExecutionProvider"
