@@ -82,6 +82,7 @@ from service.optimizer.tolerance import (  # noqa: F401 (DEFAULT_*, check_tolera
 from service.optimizer.verify_draws import DrawLog, draw_and_compare
 from service.optimizer.verify_fed import FedPlan, fed_plan
 from service.optimizer.verify_inputs import INPUT_KINDS, KIND_TEXT, InputSpec, effective_batch_sizes, random_feeds
+from service.optimizer.verify_shared import reference_run, reference_session
 from service.optimizer.verify_targets import Plan, Target, plan
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class _Comparison:
     """Both sessions, what to compare, the tolerances and the running worst differences of one verification."""
 
     def __init__(self, targets: Plan, tolerance: Tolerance) -> None:
-        self.reference = _session(targets.reference_bytes, "original")
+        self.reference = reference_session(targets.reference_bytes, lambda data: _session(data, "original"))
         self.candidate = _session(targets.candidate_bytes, "optimized")
         self.targets = targets.targets
         self.sources = targets.sources
@@ -242,7 +243,7 @@ class _Comparison:
     def attempt(self, batch: int, kind: str, feeds: dict[str, np.ndarray]) -> str | None:
         """Compare one input set (``verify_draws.Attempt``): the original's error when it cannot run on it."""
         try:
-            expected = self.reference.run([t.reference for t in self.targets], feeds)
+            expected = reference_run(self.reference, [t.reference for t in self.targets], feeds)
         except Exception as exc:
             return _short(exc)
         try:

@@ -25,6 +25,7 @@ from service.optimizer.tolerance import Tolerance, resolve_tolerance
 # Package-private helpers of the generic verifier: one comparison rule for every check of the optimizer.
 from service.optimizer.verify import VerificationResult, _Comparison, _short, run_all
 from service.optimizer.verify_inputs import random_feeds
+from service.optimizer.verify_shared import reference_run
 from service.optimizer.verify_targets import plan
 
 _PIXEL_HIGH = 256
@@ -82,7 +83,7 @@ class _PixelComparison(_Comparison):
         _check_wire_input(self.candidate, self.name, pixels)
         normalised = {**feeds, self.name: _normalise(pixels, self.normalization, self.float_dtype)}
         try:
-            expected = self.reference.run([t.reference for t in self.targets], normalised)
+            expected = reference_run(self.reference, [t.reference for t in self.targets], normalised)
         except Exception as exc:
             return _short(exc)
         candidate_feeds = {k: v for k, v in feeds.items() if k in self.candidate_inputs}

@@ -322,9 +322,8 @@ def _job(
     import hashlib
 
     from service.imaging.config import Preprocess
-    from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
-    from service.optimizer.shapes import output_dims
+    from service.optimizer.verify_shared import shared_reference_runs
     from service.registry.acceptance import validate_model
     from service.registry.image_config import check_labels, image_normalization
     from service.runtime.contract import Signature
@@ -338,28 +337,39 @@ def _job(
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))
     check_labels(uploaded, label_count)
-    made: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, verify=verify, rtol=rtol,
-                                                    atol=atol, input_normalization=normalization))
+    options = {"verify": verify, "rtol": rtol, "atol": atol, "input_normalization": normalization}
+    with shared_reference_runs():  # the variants' verifications run the original once per input set
+        signature, made = _optimize_variants(model, variants, options, out_dir)
+    return _result(digest, source, signature, made)
+
+
+def _optimize_variants(
+    model: Any, variants: frozenset[str], options: dict[str, Any], out_dir: Path
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The served signature and {variant: {"file", "report"}}: "fused" first when asked for (it says whether
+    FusedConv changes the graph at all), then "plain"; each saved to ``out_dir`` once ORT loads it."""
+    from service.optimizer import OptimizerConfig, optimize
+    from service.optimizer.shapes import output_dims
+    from service.runtime.contract import Signature
+
+    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, **options))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
     # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
     # computes the same outputs (the optimizer proved it)
     signature = Signature.from_onnx(first).with_output_dims(output_dims(model))
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
-    if not verify:
+    if not options["verify"]:
         _smoke_run(first)
     _save_variant(first, out_dir / FUSED_FILE)
     if not fused_made:  # one graph serves as either variant
-        made["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
-        return _result(digest, source, signature, made)
-    made["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        return signature, {"plain": {"file": FUSED_FILE, "report": report.to_dict()}}
+    made = {"fused": {"file": FUSED_FILE, "report": report.to_dict()}}
     del first
     if "plain" in variants:
-        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
-                                                              atol=atol, input_normalization=normalization))
+        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, **options))
         _save_variant(plain, out_dir / PLAIN_FILE)
         made["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    return _result(digest, source, signature, made)
+    return signature, made
 
 
 def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
