@@ -1,0 +1,232 @@
+"""Bounds on the values of a model's tensors, for ``registry.acceptance``'s rule on value-dependent sizes.
+
+``ValueBounds`` walks a graph (with its subgraphs, in order: the checker guarantees topologically sorted
+nodes) and gives each tensor a ``Val``: a ``Bound`` (``registry.intervals``) on all its elements and, for a
+short vector (a shape, a size, a scalar), one per element. Where the bounds come from:
+
+- constants (initializers, Constant nodes), exactly; a model input's values: unbounded;
+- shapes: ``Shape``/``Size`` of a tensor whose dims shape inference knows are exact; an unknown dim is
+  bounded by the request (``intervals.REQUEST_DIM``);
+- ops: the arithmetic real exports put on size paths (Add, Sub, Mul, Div, Neg, Abs, Floor, Ceil, Round,
+  Relu, Min, Max, Clip, Cast), the ops that move or pick elements (Concat, Gather, Slice, Squeeze,
+  Unsqueeze, Reshape, Expand, ...), ReduceMax/ReduceMin, Where (both branches), comparisons, and Loop/If
+  bodies. A Loop's iteration number is bounded by its trip count; its loop-carried values start at their
+  initial bound and are widened until the body keeps them inside it. Any other op's outputs are unbounded.
+
+Names are unique across a graph and its subgraphs, so one map serves every scope (like the taint set of
+``registry.acceptance``); a model-local function is its own scope, its formal inputs unbounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import onnx
+from onnx import AttributeProto, TensorProto, numpy_helper
+
+from service.errors import printable
+from service.registry import intervals as iv
+from service.registry.intervals import Bound
+from service.registry.value_rules import MAX_ELEMS, RULES, Val, constant, join_vals
+
+WALK_BUDGET = 2_000_000
+"""Node visits after which Loop bodies are no longer re-run to widen their carried values (straight to
+unbounded instead): nested loops multiply the runs."""
+
+
+def _dims_of(value: onnx.ValueInfoProto) -> tuple[int, list[int | None] | None]:
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return tensor_type.elem_type, None
+    return tensor_type.elem_type, [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs):
+            yield attr.name, sub
+
+
+def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for _, sub in _subgraphs(node):
+            yield from _all_graphs(sub)
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return f"node {printable(node.name or node.op_type)!r} ({printable(node.op_type)})"
+
+
+class ValueBounds:
+    """The ``Val`` of every tensor of one scope; ``val(name)`` after construction."""
+
+    def __init__(self, nodes, inputs: list[str], constants: dict[str, TensorProto],
+                 types: dict[str, int], dims: dict[str, list[int | None] | None]) -> None:
+        self._constants = constants
+        self._types = types
+        self._dims = dims
+        self._vals: dict[str, Val] = {}
+        self._visits = 0
+        for name in inputs:
+            self._vals[name] = Val(iv.top(types.get(name)), elem=types.get(name),
+                                   lost=f"the model input {printable(name)!r}")
+        self._run(nodes)
+
+    @classmethod
+    def of_model(cls, model: onnx.ModelProto) -> ValueBounds:
+        """The main graph and its subgraphs, with shape inference's types and dims."""
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
+            inferred = model
+        types: dict[str, int] = {}
+        dims: dict[str, list[int | None] | None] = {}
+        constants: dict[str, TensorProto] = {}
+        for graph in _all_graphs(inferred.graph):
+            for value in [*graph.value_info, *graph.input, *graph.output]:
+                types[value.name], dims[value.name] = _dims_of(value)
+        for graph in _all_graphs(model.graph):
+            for tensor in graph.initializer:
+                constants[tensor.name] = tensor
+                types[tensor.name], dims[tensor.name] = tensor.data_type, list(tensor.dims)
+        inputs = [v.name for v in model.graph.input if v.name not in constants]
+        return cls(model.graph.node, inputs, constants, types, dims)
+
+    @classmethod
+    def of_function(cls, function: onnx.FunctionProto) -> ValueBounds:
+        return cls(function.node, list(function.input), {}, {}, {})
+
+    def val(self, name: str) -> Val:
+        found = self._vals.get(name)
+        if found is None:
+            tensor = self._constants.get(name)
+            found = constant(numpy_helper.to_array(tensor), tensor.data_type) if tensor is not None else Val(
+                iv.top(), lost=f"tensor {printable(name)!r}")
+            self._vals[name] = found
+        return found
+
+    def dims(self, name: str) -> list[int | None] | None:
+        return self._dims.get(name)
+
+    # ------------------------------------------------------------------ the walk
+
+    def _run(self, nodes) -> None:
+        for node in nodes:
+            self._visits += 1
+            outputs = self._outputs(node)
+            for name, out in zip(node.output, outputs, strict=False):
+                if name:
+                    self._vals[name] = self._traced(node, self._per_element(name, out))
+
+    def _outputs(self, node: onnx.NodeProto) -> list[Val]:
+        if node.domain not in ("", "ai.onnx"):
+            return self._unknown(node)
+        if node.op_type == "Loop":
+            return self._loop(node)
+        if node.op_type == "If":
+            return self._if(node)
+        rule = RULES.get(node.op_type)
+        if rule is None:
+            return self._unknown(node)
+        return rule(self, node)
+
+    def _unknown(self, node: onnx.NodeProto) -> list[Val]:
+        for _, sub in _subgraphs(node):  # bind and walk, so that every tensor inside has a bound
+            for value in sub.input:
+                self._vals[value.name] = Val(iv.top(), lost=_label(node))
+            self._run(sub.node)
+        return [Val(iv.top(self._types.get(name)), elem=self._types.get(name)) for name in node.output]
+
+    def _per_element(self, name: str, out: Val) -> Val:
+        """A short vector (by its static shape) without per-element bounds gets the whole bound for each."""
+        shape = self._dims.get(name)
+        if out.elems is not None or shape is None or len(shape) > 1 or None in shape:
+            return out
+        count = math.prod(shape)  # type: ignore[arg-type]
+        return dataclasses.replace(out, elems=(out.whole,) * count) if count <= MAX_ELEMS else out
+
+    def _traced(self, node: onnx.NodeProto, out: Val) -> Val:
+        if not iv.unbounded(out.whole) or out.lost is not None:
+            return out
+        for name in node.input:
+            known = self._vals.get(name)
+            if known is not None and iv.unbounded(known.whole) and known.lost:
+                return dataclasses.replace(out, lost=known.lost)
+        return dataclasses.replace(out, lost=_label(node))
+
+    def elem_of(self, node: onnx.NodeProto, index: int = 0, default: int | None = None) -> int | None:
+        """The element type of output ``index``: shape inference's, else ``default``, else input 0's."""
+        name = node.output[index] if index < len(node.output) else ""
+        if name in self._types:
+            return self._types[name]
+        if default is not None:
+            return default
+        return self.val(node.input[0]).elem if node.input and node.input[0] else None
+
+    def rank_at_most_one(self, name: str) -> bool:
+        shape = self._dims.get(name)
+        return shape is not None and len(shape) <= 1
+
+    def nonempty(self, name: str) -> bool:
+        shape = self._dims.get(name)
+        return shape is not None and all(d is not None and d > 0 for d in shape)
+
+    # ------------------------------------------------------------------ control flow
+
+    def _if(self, node: onnx.NodeProto) -> list[Val]:
+        branches = []
+        for _, sub in _subgraphs(node):
+            self._run(sub.node)
+            branches.append([self.val(v.name) for v in sub.output])
+        if len(branches) != 2:
+            return self._unknown(node)
+        return [join_vals([a, b], self.elem_of(node, i)) for i, (a, b) in enumerate(zip(*branches, strict=False))]
+
+    def _loop(self, node: onnx.NodeProto) -> list[Val]:
+        body = next((sub for name, sub in _subgraphs(node) if name == "body"), None)
+        if body is None or len(body.input) < 2:
+            return self._unknown(node)
+        carried_names = [v.name for v in body.input[2:]]
+        state = [self.val(name) if name else Val(iv.top()) for name in node.input[2:]]
+        state = [Val(s.whole, elem=s.elem, lost=s.lost) for s in state]
+        self._vals[body.input[0].name] = Val(self._iteration(node), elem=TensorProto.INT64)
+        self._vals[body.input[1].name] = Val(iv.truth(), elem=TensorProto.BOOL)
+        for attempt in range(3):
+            for name, value in zip(carried_names, state, strict=False):
+                self._vals[name] = value
+            self._run(body.node)
+            outs = [self.val(v.name) for v in body.output[1:1 + len(state)]]
+            grown = [not s.whole.contains(o.whole) for s, o in zip(state, outs, strict=False)]
+            if not any(grown):
+                break
+            widen = attempt == 0 and self._visits < WALK_BUDGET
+            state = [_widened(s, o, widen, node) if g else s for s, o, g in zip(state, outs, grown, strict=False)]
+        scans = [self.val(v.name) for v in body.output[1 + len(state):]]
+        return [*state, *(Val(s.whole, elem=s.elem, lost=s.lost) for s in scans)]
+
+    def _iteration(self, node: onnx.NodeProto) -> Bound:
+        """The iteration number: 0 up to the trip count - 1 (unbounded without one)."""
+        if not node.input or not node.input[0]:
+            return iv.Bound(0.0, iv.INF, 0.0, iv.INF, integral=True)
+        trips = iv.realized(self.val(node.input[0]).whole)
+        return iv.fit(iv.Bound(0.0, max(trips.hi - 1, 0.0), 0.0, max(trips.fixed_hi - 1, 0.0), integral=True),
+                      TensorProto.INT64)
+
+
+def _widened(state: Val, out: Val, widen: bool, node: onnx.NodeProto) -> Val:
+    """A loop-carried bound that also holds ``out``: the ends that grew go to infinity (or all of it, on the
+    last attempt)."""
+    if not widen:
+        return Val(iv.top(state.elem), elem=state.elem, lost=_label(node))
+    s, o = state.whole, out.whole
+    grown = iv.join(s, o)
+    far = None if grown.far is None else (s.far if s.far is not None and grown.far <= s.far else iv.FAR_LIMIT * 2)
+    bound = iv.Bound(s.lo if o.lo >= s.lo else -iv.INF, s.hi if o.hi <= s.hi else iv.INF,
+                     s.fixed_lo if o.fixed_lo >= s.fixed_lo else -iv.INF,
+                     s.fixed_hi if o.fixed_hi <= s.fixed_hi else iv.INF, grown.nonfinite, far, grown.integral)
+    return Val(iv.fit(bound, state.elem), elem=state.elem, lost=_label(node))
+
+
