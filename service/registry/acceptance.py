@@ -285,7 +285,7 @@ def _check_bounded(node: onnx.NodeProto, indices: list[int], label: str, bounds:
             raise InvalidModelError(
                 f"{label}: input {index} ({_input_name(node.op_type, index)}) of {node.op_type} sets a tensor "
                 f"size (or trip count) from the values of the model's inputs and {why}, so one request could "
-                "exhaust the server's memory or time; bound it by constants (Clip, Min/Max) or take it from "
+                "exhaust the server's memory or time; bound it by constants (Clip, Min or Max) or take it from "
                 "input shapes"
             )
 
@@ -297,7 +297,7 @@ def _size_count(node: onnx.NodeProto, index: int, bounds: ValueBounds) -> tuple[
     if intervals.unbounded(value.whole):
         return 0.0, f"has no upper bound (traced to {value.lost or 'an unbounded value'})"
     if node.op_type == "Loop":
-        if value.whole.far is not None:
+        if value.whole.far is not None and value.whole.far_side != -1:  # INT64_MIN and the like: no iteration
             return 0.0, "a NaN or infinite request value could make it astronomically large"
         return max(value.whole.fixed_hi, 0.0), None
     items = [b.fixed_hi for b in value.elems] if value.elems is not None else None

@@ -12,7 +12,9 @@ the request"). Two flags cover what an interval cannot:
   or NaN to int64 gives INT64_MIN on x86 (INT64_MAX, INT64_MIN or 0 on ARM), and integer arithmetic on it
   wraps. As a size such a value is astronomically large or negative, which ONNX Runtime refuses rather than
   allocate; an op that could turn it back into an ordinary number (Div, a Cast to another type, ...)
-  first widens the bound to the whole int64 range.
+  first widens the bound to the whole int64 range. ``far_side`` says which of those values remain: -1 the
+  negative ones (near INT64_MIN), +1 the positive ones (wrapped, near INT64_MAX), 0 both; Max against an
+  ordinary value drops the negative ones, Min the positive ones (so Clip drops them all).
 
 An integer result whose fixed bound leaves its type's range may have wrapped: the bound becomes the whole
 range. (The wide bound is only clipped to the range: wrapping through request-sized arithmetic is the
@@ -67,6 +69,7 @@ class Bound:
     far: float | None = None
     integral: bool = False
     """Every element is an integer (int types; float constants, casts and sums of integers)."""
+    far_side: int = 0
 
     @property
     def by_request(self) -> bool:
@@ -76,8 +79,13 @@ class Bound:
     def contains(self, other: Bound) -> bool:
         return (self.lo <= other.lo and other.hi <= self.hi and self.fixed_lo <= other.fixed_lo
                 and other.fixed_hi <= self.fixed_hi and self.nonfinite >= other.nonfinite
-                and (other.far is None or (self.far is not None and other.far <= self.far))
-                and (self.integral <= other.integral))
+                and self.integral <= other.integral and self.holds_far(other))
+
+    def holds_far(self, other: Bound) -> bool:
+        """Every far value ``other`` may hold, this one may too."""
+        if other.far is None or (self.lo <= -(2.0**63) and self.hi >= 2.0**63 - 1):
+            return True
+        return self.far is not None and other.far <= self.far and self.far_side in (0, other.far_side)
 
 
 def exact(values: np.ndarray) -> Bound:
@@ -128,11 +136,13 @@ def unbounded(bound: Bound) -> bool:
 
 def join(*bounds: Bound) -> Bound:
     """The smallest bound holding every element of every argument (Concat, Where, If)."""
-    fars = [b.far for b in bounds if b.far is not None]
+    fars = [b for b in bounds if b.far is not None]
+    sides = {b.far_side for b in fars}
     return Bound(
         min(b.lo for b in bounds), max(b.hi for b in bounds), min(b.fixed_lo for b in bounds),
-        max(b.fixed_hi for b in bounds), any(b.nonfinite for b in bounds), max(fars) if fars else None,
-        all(b.integral for b in bounds),
+        max(b.fixed_hi for b in bounds), any(b.nonfinite for b in bounds),
+        max(b.far for b in fars) if fars else None,  # type: ignore[type-var]
+        all(b.integral for b in bounds), sides.pop() if len(sides) == 1 else 0,
     )
 
 
@@ -155,8 +165,8 @@ def fit(bound: Bound, elem: int | None, *, rounded: bool = False) -> Bound:
             return full(elem)
         if bound.fixed_lo < low or bound.fixed_hi > high:
             return full(elem)
-        return Bound(max(bound.lo, low), min(bound.hi, high), bound.fixed_lo, bound.fixed_hi, far=far,
-                     integral=True)
+        return dataclasses.replace(bound, lo=max(bound.lo, low), hi=min(bound.hi, high), nonfinite=False,
+                                   integral=True)
     if elem is None and (unbounded(bound) or bound.lo < -(2.0**31) or bound.hi > 2.0**31 - 1):
         return top()  # an unknown type may be a 32-bit integer that wraps
     return bound
@@ -229,7 +239,7 @@ def _with_far(result: Bound, a: Bound, b: Bound, spread, elem: int | None) -> Bo
     if reaches:
         reach, fixed_reach = max(r for r, _ in reaches), max(f for _, f in reaches)
         widened = join(widened, Bound(-reach, reach, -fixed_reach, fixed_reach, integral=True))
-    return fit(dataclasses.replace(widened, far=max(fars)), elem)
+    return fit(dataclasses.replace(widened, far=max(fars), far_side=0), elem)
 
 
 def add(a: Bound, b: Bound, elem: int | None) -> Bound:
@@ -298,25 +308,36 @@ def absolute(a: Bound, elem: int | None) -> Bound:
     return fit(Bound(lo, hi, fixed_lo, fixed_hi, a.nonfinite, a.far, a.integral), elem)  # |M+o| = M-o or M+o
 
 
-def _extreme(bounds: list[Bound], pick, elem: int | None) -> Bound:
-    """Elementwise min (``pick=min``) or max of the operands. Where one operand is far, the result may be
-    that far value or any other operand (whichever the comparison picks), never outside those."""
-    result = Bound(pick(b.lo for b in bounds), pick(b.hi for b in bounds), pick(b.fixed_lo for b in bounds),
-                   pick(b.fixed_hi for b in bounds), any(b.nonfinite for b in bounds),
-                   integral=all(b.integral for b in bounds))
-    fars = [b.far for b in bounds if b.far is not None]
-    if fars:
-        others = [b for i, b in enumerate(bounds) if any(c.far is not None for j, c in enumerate(bounds) if j != i)]
-        result = dataclasses.replace(join(result, *others), far=max(fars))
+def _extreme(bounds: list[Bound], biggest: bool, elem: int | None) -> Bound:
+    """Elementwise max (``biggest``) or min of the operands. A far value on the winning side (positive for
+    max) beats every ordinary value, one on the losing side loses to it: so the far end of the result comes
+    from every operand, the near end only from those whose ordinary value always takes part."""
+    wins = 1 if biggest else -1
+    losing = [b.far is not None and b.far_side != wins for b in bounds]
+    winning = [b for b in bounds if b.far is not None and b.far_side != -wins]
+    taking_part = [b for b, lose in zip(bounds, losing, strict=True) if not lose]
+    near = max if biggest else min  # for the near end: the operands that take part, else any single one
+    ends = {}
+    for low, high in (("lo", "hi"), ("fixed_lo", "fixed_hi")):
+        near_name, far_name = (low, high) if biggest else (high, low)
+        ends[far_name] = near(getattr(b, far_name) for b in bounds)
+        ends[near_name] = (near(getattr(b, near_name) for b in taking_part) if taking_part
+                           else (min if biggest else max)(getattr(b, near_name) for b in bounds))
+    result = Bound(**ends, nonfinite=any(b.nonfinite for b in bounds), integral=all(b.integral for b in bounds))
+    kept = winning + (bounds if all(losing) else [])
+    if kept:
+        sides = ({wins} if winning else set()) | ({-wins} if all(losing) else set())
+        result = dataclasses.replace(result, far=max(b.far for b in kept),  # type: ignore[type-var]
+                                     far_side=sides.pop() if len(sides) == 1 else 0)
     return fit(result, elem)
 
 
 def minimum(bounds: list[Bound], elem: int | None) -> Bound:
-    return _extreme(bounds, min, elem)
+    return _extreme(bounds, False, elem)
 
 
 def maximum(bounds: list[Bound], elem: int | None) -> Bound:
-    return _extreme(bounds, max, elem)
+    return _extreme(bounds, True, elem)
 
 
 def cast(a: Bound, source: int | None, target: int) -> Bound:

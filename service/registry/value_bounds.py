@@ -186,26 +186,42 @@ class ValueBounds:
         return [join_vals([a, b], self.elem_of(node, i)) for i, (a, b) in enumerate(zip(*branches, strict=False))]
 
     def _loop(self, node: onnx.NodeProto) -> list[Val]:
+        """Run the body with the carried values at their initial bound; while the body takes them outside
+        it, widen the ends that grew to infinity, then narrow back to initial | body output if the body
+        keeps that (at most four runs; over ``WALK_BUDGET``, straight to unbounded)."""
         body = next((sub for name, sub in _subgraphs(node) if name == "body"), None)
         if body is None or len(body.input) < 2:
             return self._unknown(node)
-        carried_names = [v.name for v in body.input[2:]]
-        state = [self.val(name) if name else Val(iv.top()) for name in node.input[2:]]
-        state = [Val(s.whole, elem=s.elem, lost=s.lost) for s in state]
+        initial = [Val(v.whole, elem=v.elem, lost=v.lost) for v in
+                   (self.val(name) if name else Val(iv.top()) for name in node.input[2:])]
         self._vals[body.input[0].name] = Val(self._iteration(node), elem=TensorProto.INT64)
         self._vals[body.input[1].name] = Val(iv.truth(), elem=TensorProto.BOOL)
-        for attempt in range(3):
-            for name, value in zip(carried_names, state, strict=False):
-                self._vals[name] = value
-            self._run(body.node)
-            outs = [self.val(v.name) for v in body.output[1:1 + len(state)]]
-            grown = [not s.whole.contains(o.whole) for s, o in zip(state, outs, strict=False)]
-            if not any(grown):
-                break
-            widen = attempt == 0 and self._visits < WALK_BUDGET
-            state = [_widened(s, o, widen, node) if g else s for s, o, g in zip(state, outs, grown, strict=False)]
+        state, outs = initial, self._run_body(body, initial)
+        if not _holds(state, outs):
+            affordable = self._visits < WALK_BUDGET
+            state = [_widened(s, o, node) if affordable else _unbounded(s, node) for s, o in zip(state, outs,
+                                                                                               strict=True)]
+            outs = self._run_body(body, state)
+            if affordable and _holds(state, outs):
+                narrowed = [Val(iv.join(i.whole, o.whole), elem=i.elem, lost=_label(node))
+                            for i, o in zip(initial, outs, strict=True)]
+                outs = self._run_body(body, narrowed)
+                if _holds(narrowed, outs):
+                    state = narrowed
+                else:
+                    outs = self._run_body(body, state)
+            if not _holds(state, outs):
+                state = [_unbounded(s, node) for s in state]
+                outs = self._run_body(body, state)
         scans = [self.val(v.name) for v in body.output[1 + len(state):]]
         return [*state, *(Val(s.whole, elem=s.elem, lost=s.lost) for s in scans)]
+
+    def _run_body(self, body: onnx.GraphProto, carried: list[Val]) -> list[Val]:
+        """Bind the carried values, walk the body, return its carried outputs."""
+        for value, bound in zip(body.input[2:], carried, strict=False):
+            self._vals[value.name] = bound
+        self._run(body.node)
+        return [self.val(v.name) for v in body.output[1:1 + len(carried)]]
 
     def _iteration(self, node: onnx.NodeProto) -> Bound:
         """The iteration number: 0 up to the trip count - 1 (unbounded without one)."""
@@ -216,17 +232,22 @@ class ValueBounds:
                       TensorProto.INT64)
 
 
-def _widened(state: Val, out: Val, widen: bool, node: onnx.NodeProto) -> Val:
-    """A loop-carried bound that also holds ``out``: the ends that grew go to infinity (or all of it, on the
-    last attempt)."""
-    if not widen:
-        return Val(iv.top(state.elem), elem=state.elem, lost=_label(node))
+def _holds(state: list[Val], outs: list[Val]) -> bool:
+    return all(s.whole.contains(o.whole) for s, o in zip(state, outs, strict=True))
+
+
+def _unbounded(state: Val, node: onnx.NodeProto) -> Val:
+    return Val(iv.top(state.elem), elem=state.elem, lost=_label(node))
+
+
+def _widened(state: Val, out: Val, node: onnx.NodeProto) -> Val:
+    """A loop-carried bound that also holds ``out``: the ends that grew go to infinity (a far offset that
+    grew, beyond ``FAR_LIMIT``: the whole int64 range)."""
     s, o = state.whole, out.whole
     grown = iv.join(s, o)
-    far = None if grown.far is None else (s.far if s.far is not None and grown.far <= s.far else iv.FAR_LIMIT * 2)
+    far = iv.FAR_LIMIT * 2 if o.far is not None and not s.holds_far(o) else grown.far
     bound = iv.Bound(s.lo if o.lo >= s.lo else -iv.INF, s.hi if o.hi <= s.hi else iv.INF,
                      s.fixed_lo if o.fixed_lo >= s.fixed_lo else -iv.INF,
-                     s.fixed_hi if o.fixed_hi <= s.fixed_hi else iv.INF, grown.nonfinite, far, grown.integral)
+                     s.fixed_hi if o.fixed_hi <= s.fixed_hi else iv.INF, grown.nonfinite, far, grown.integral,
+                     grown.far_side)
     return Val(iv.fit(bound, state.elem), elem=state.elem, lost=_label(node))
-
-

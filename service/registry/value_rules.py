@@ -299,8 +299,9 @@ def _reduce_extreme(scope: Scope, node: onnx.NodeProto) -> list[Val]:
 
 
 def _empty_reduction(bound: Bound, elem: int | None, biggest: bool) -> Bound:
-    if elem == TensorProto.INT64:  # INT64_MIN = M, INT64_MAX = M - 1
-        return iv.fit(dataclasses.replace(bound, far=max(bound.far or 0.0, 0.0 if biggest else 1.0)), elem)
+    if elem == TensorProto.INT64:  # INT64_MIN = M (a negative far value), INT64_MAX = M - 1 (a positive one)
+        extreme = dataclasses.replace(bound, far=0.0 if biggest else 1.0, far_side=-1 if biggest else 1)
+        return iv.fit(iv.join(bound, extreme), elem)
     if elem in iv.INT_RANGES:
         return iv.join(bound, iv.point(iv.INT_RANGES[elem][0 if biggest else 1]))
     return iv.join(bound, iv.point(-iv.INF if biggest else iv.INF))
