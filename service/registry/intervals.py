@@ -37,16 +37,18 @@ FAR_LIMIT = float(2**60)
 """Largest offset ``far`` may carry: INT64_MIN + o stays beyond +-2**62, astronomically large as a size."""
 
 INT_RANGES: dict[int, tuple[float, float]] = {
-    TensorProto.INT64: (-(2.0**63), 2.0**63 - 1),
-    TensorProto.INT32: (-(2.0**31), 2.0**31 - 1),
-    TensorProto.INT16: (-(2.0**15), 2.0**15 - 1),
-    TensorProto.INT8: (-128.0, 127.0),
-    TensorProto.UINT64: (0.0, 2.0**64 - 1),
-    TensorProto.UINT32: (0.0, 2.0**32 - 1),
-    TensorProto.UINT16: (0.0, 2.0**16 - 1),
-    TensorProto.UINT8: (0.0, 255.0),
-    TensorProto.BOOL: (0.0, 1.0),
+    TensorProto.INT64: (-(2.0**63), 2.0**63),
+    TensorProto.INT32: (-(2.0**31), 2.0**31),
+    TensorProto.INT16: (-(2.0**15), 2.0**15),
+    TensorProto.INT8: (-128.0, 128.0),
+    TensorProto.UINT64: (0.0, 2.0**64),
+    TensorProto.UINT32: (0.0, 2.0**32),
+    TensorProto.UINT16: (0.0, 2.0**16),
+    TensorProto.UINT8: (0.0, 256.0),
+    TensorProto.BOOL: (0.0, 2.0),
 }
+"""Each integer type's lowest value and the first value above its highest (exact in double precision, where
+2**63 - 1 is not)."""
 FLOAT_STEPS: dict[int, tuple[float, float]] = {  # largest finite value, relative rounding step
     TensorProto.DOUBLE: (1.7976931348623157e308, 2.0**-51),
     TensorProto.FLOAT: (3.4028234663852886e38, 2.0**-22),
@@ -83,7 +85,7 @@ class Bound:
 
     def holds_far(self, other: Bound) -> bool:
         """Every far value ``other`` may hold, this one may too."""
-        if other.far is None or (self.lo <= -(2.0**63) and self.hi >= 2.0**63 - 1):
+        if other.far is None or (self.lo <= -(2.0**63) and self.hi >= 2.0**63 - 1):  # the whole int64 range
             return True
         return self.far is not None and other.far <= self.far and self.far_side in (0, other.far_side)
 
@@ -118,8 +120,8 @@ def top(elem: int | None = None) -> Bound:
 
 
 def full(elem: int) -> Bound:
-    lo, hi = INT_RANGES[elem]
-    return Bound(lo, hi, lo, hi, integral=True)
+    lo, above = INT_RANGES[elem]
+    return Bound(lo, above - 1, lo, above - 1, integral=True)
 
 
 def dimension(value: int | None) -> Bound:
@@ -159,13 +161,13 @@ def fit(bound: Bound, elem: int | None, *, rounded: bool = False) -> Bound:
         ends = [x if abs(x) <= largest else math.copysign(INF, x) for x in ends]
         return Bound(*ends, nonfinite=bound.nonfinite, integral=bound.integral)  # (float32 >= 2**24: integers)
     if elem in INT_RANGES:
-        low, high = INT_RANGES[elem]
+        low, above = INT_RANGES[elem]
         far = bound.far
         if far is not None and (elem != TensorProto.INT64 or far > FAR_LIMIT):
             return full(elem)
-        if bound.fixed_lo < low or bound.fixed_hi > high:
+        if bound.fixed_lo < low or bound.fixed_hi >= above:
             return full(elem)
-        return dataclasses.replace(bound, lo=max(bound.lo, low), hi=min(bound.hi, high), nonfinite=False,
+        return dataclasses.replace(bound, lo=max(bound.lo, low), hi=min(bound.hi, above - 1), nonfinite=False,
                                    integral=True)
     if elem is None and (unbounded(bound) or bound.lo < -(2.0**31) or bound.hi > 2.0**31 - 1):
         return top()  # an unknown type may be a 32-bit integer that wraps
@@ -194,7 +196,8 @@ def _pair_mul(a: Pair, b: Pair) -> Pair:
 
 
 def _pair_div(a: Pair, d: Pair, integral: bool) -> Pair:
-    """``a / d`` for ``d`` in the pair; an integral ``d`` skips 0 (x/0 is ``nonfinite``, integer x/0 faults)."""
+    """``a / d`` for ``d`` in the pair; an integral ``d`` skips 0 (float x/0 is ``nonfinite``; ONNX Runtime
+    fails an integer x/0)."""
     if d[0] > 0 or d[1] < 0:
         parts = [d]
     elif integral:
@@ -348,14 +351,14 @@ def cast(a: Bound, source: int | None, target: int) -> Bound:
         return fit(dataclasses.replace(realized(a), far=None), target, rounded=True)
     if target not in INT_RANGES:
         return top(target)
-    if source in INT_RANGES:
+    if source in INT_RANGES or a.far is not None:
         return fit(a if target == TensorProto.INT64 else realized(a), target)
-    low, high = INT_RANGES[target]
+    low, above = INT_RANGES[target]
     lo, hi, fixed_lo, fixed_hi = (float(math.trunc(x)) if math.isfinite(x) else x
                                   for x in (a.lo, a.hi, a.fixed_lo, a.fixed_hi))
-    if fixed_lo < low or fixed_hi > high or (a.nonfinite and target != TensorProto.INT64):
+    if fixed_lo < low or fixed_hi >= above or (a.nonfinite and target != TensorProto.INT64):
         return full(target)
-    result = Bound(max(lo, low), min(hi, high), fixed_lo, fixed_hi, integral=True)  # beyond: only for big requests
+    result = Bound(max(lo, low), min(hi, above - 1), fixed_lo, fixed_hi, integral=True)  # beyond: big requests
     if a.nonfinite:  # x86: INT64_MIN; ARM: saturated (INT64_MIN, INT64_MAX = INT64_MIN - 1) or 0
         result = dataclasses.replace(join(result, point(0.0)), far=1.0)
     return result

@@ -141,9 +141,12 @@ class ValueBounds:
         return [Val(iv.top(self._types.get(name)), elem=self._types.get(name)) for name in node.output]
 
     def _per_element(self, name: str, out: Val) -> Val:
-        """A short vector (by its static shape) without per-element bounds gets the whole bound for each."""
+        """A short vector (by its static shape) without per-element bounds gets the whole bound for each; a
+        tensor of higher rank keeps none (an op may have broadcast short operands into it)."""
         shape = self._dims.get(name)
-        if out.elems is not None or shape is None or len(shape) > 1 or None in shape:
+        if out.elems is not None:
+            return out if shape is None or len(shape) <= 1 else dataclasses.replace(out, elems=None)
+        if shape is None or len(shape) > 1 or None in shape:
             return out
         count = math.prod(shape)  # type: ignore[arg-type]
         return dataclasses.replace(out, elems=(out.whole,) * count) if count <= MAX_ELEMS else out

@@ -173,7 +173,8 @@ def _cast(scope: Scope, node: onnx.NodeProto) -> list[Val]:
 
 def _where(scope: Scope, node: onnx.NodeProto) -> list[Val]:
     elem = scope.elem_of(node, default=scope.val(node.input[1]).elem)
-    return [_elementwise([scope.val(node.input[1]), scope.val(node.input[2])], lambda b: iv.join(*b), elem)]
+    operands = [scope.val(name) for name in node.input[:3]]  # the condition too: its shape broadcasts
+    return [_elementwise(operands, lambda b: iv.join(b[1], b[2]), elem)]
 
 
 def _boolean(scope: Scope, node: onnx.NodeProto) -> list[Val]:
@@ -303,7 +304,7 @@ def _empty_reduction(bound: Bound, elem: int | None, biggest: bool) -> Bound:
         extreme = dataclasses.replace(bound, far=0.0 if biggest else 1.0, far_side=-1 if biggest else 1)
         return iv.fit(iv.join(bound, extreme), elem)
     if elem in iv.INT_RANGES:
-        return iv.join(bound, iv.point(iv.INT_RANGES[elem][0 if biggest else 1]))
+        return iv.join(bound, iv.point(iv.INT_RANGES[elem][0] if biggest else iv.INT_RANGES[elem][1] - 1))
     return iv.join(bound, iv.point(-iv.INF if biggest else iv.INF))
 
 
