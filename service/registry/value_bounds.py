@@ -36,6 +36,24 @@ WALK_BUDGET = 2_000_000
 unbounded instead): nested loops multiply the runs."""
 
 
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Shape inference on a copy stripped of the shapes the model declares for its intermediate tensors and
+    outputs: a declared dim would count as known (a small constant) where only the request bounds it. Inputs
+    keep theirs: the server holds every request to the main graph's, and a subgraph's are what inference
+    starts the subgraph from."""
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    for graph in _all_graphs(stripped.graph):
+        del graph.value_info[:]
+        for value in graph.output:
+            if value.type.HasField("tensor_type"):
+                value.type.tensor_type.ClearField("shape")
+    try:
+        return onnx.shape_inference.infer_shapes(stripped, data_prop=True)
+    except Exception:  # the checker passed; without inference, fewer dims are known
+        return stripped
+
+
 def _dims_of(value: onnx.ValueInfoProto) -> tuple[int, list[int | None] | None]:
     tensor_type = value.type.tensor_type
     if not tensor_type.HasField("shape"):
@@ -77,11 +95,8 @@ class ValueBounds:
 
     @classmethod
     def of_model(cls, model: onnx.ModelProto) -> ValueBounds:
-        """The main graph and its subgraphs, with shape inference's types and dims."""
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-        except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
-            inferred = model
+        """The main graph and its subgraphs, with shape inference's types and dims (``_inferred``)."""
+        inferred = _inferred(model)
         types: dict[str, int] = {}
         dims: dict[str, list[int | None] | None] = {}
         constants: dict[str, TensorProto] = {}
@@ -169,14 +184,6 @@ class ValueBounds:
             return default
         return self.val(node.input[0]).elem if node.input and node.input[0] else None
 
-    def rank_at_most_one(self, name: str) -> bool:
-        shape = self._dims.get(name)
-        return shape is not None and len(shape) <= 1
-
-    def nonempty(self, name: str) -> bool:
-        shape = self._dims.get(name)
-        return shape is not None and all(d is not None and d > 0 for d in shape)
-
     # ------------------------------------------------------------------ control flow
 
     def _if(self, node: onnx.NodeProto) -> list[Val]:
@@ -199,15 +206,19 @@ class ValueBounds:
                    (self.val(name) if name else Val(iv.top()) for name in node.input[2:])]
         self._vals[body.input[0].name] = Val(self._iteration(node), elem=TensorProto.INT64)
         self._vals[body.input[1].name] = Val(iv.truth(), elem=TensorProto.BOOL)
-        state, outs = initial, self._run_body(body, initial)
+        if self._visits >= WALK_BUDGET:  # one run, carried values unbounded: nested loops cost no more
+            state = [_unbounded(s, node) for s in initial]
+            outs = self._run_body(body, state)
+        else:
+            state, outs = initial, self._run_body(body, initial)
         if not _holds(state, outs):
             affordable = self._visits < WALK_BUDGET
-            state = [_widened(s, o, node) if affordable else _unbounded(s, node) for s, o in zip(state, outs,
-                                                                                               strict=True)]
+            state = [_widened(s, o, node) if affordable else _unbounded(s, node)
+                     for s, o in zip(state, outs, strict=False)] + [_unbounded(s, node) for s in state[len(outs):]]
             outs = self._run_body(body, state)
             if affordable and _holds(state, outs):
                 narrowed = [Val(iv.join(i.whole, o.whole), elem=i.elem, lost=_label(node))
-                            for i, o in zip(initial, outs, strict=True)]
+                            for i, o in zip(initial, outs, strict=False)] + state[len(outs):]
                 outs = self._run_body(body, narrowed)
                 if _holds(narrowed, outs):
                     state = narrowed
@@ -236,7 +247,7 @@ class ValueBounds:
 
 
 def _holds(state: list[Val], outs: list[Val]) -> bool:
-    return all(s.whole.contains(o.whole) for s, o in zip(state, outs, strict=True))
+    return all(s.whole.contains(o.whole) for s, o in zip(state, outs, strict=False))
 
 
 def _unbounded(state: Val, node: onnx.NodeProto) -> Val:

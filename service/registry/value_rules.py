@@ -283,7 +283,7 @@ def _slice(scope: Scope, node: onnx.NodeProto) -> list[Val]:
 
 
 def _reduce_extreme(scope: Scope, node: onnx.NodeProto) -> list[Val]:
-    """ReduceMax/ReduceMin; over an empty set they give the type's lowest/highest value (-inf/+inf)."""
+    """ReduceMax/ReduceMin; over an empty set they give the type's lowest/highest value (floats: -inf/+inf)."""
     data = scope.val(node.input[0])
     elem = scope.elem_of(node)
     biggest = node.op_type == "ReduceMax"
@@ -305,7 +305,7 @@ def _empty_reduction(bound: Bound, elem: int | None, biggest: bool) -> Bound:
         return iv.fit(iv.join(bound, extreme), elem)
     if elem in iv.INT_RANGES:
         return iv.join(bound, iv.point(iv.INT_RANGES[elem][0] if biggest else iv.INT_RANGES[elem][1] - 1))
-    return iv.join(bound, iv.point(-iv.INF if biggest else iv.INF))
+    return dataclasses.replace(bound, nonfinite=True)  # -inf / +inf
 
 
 def _pad(scope: Scope, node: onnx.NodeProto) -> list[Val]:

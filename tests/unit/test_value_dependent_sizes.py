@@ -315,3 +315,26 @@ def test_the_cli_accepts_what_the_upload_accepts(tmp_path):
     assert upload["ok"] is True, upload
     assert cli.returncode == 0, cli.stderr
     onnx.checker.check_model(onnx.load(str(tmp_path / "cli.onnx")))
+
+
+def test_a_dim_the_model_declares_for_an_intermediate_tensor_is_not_trusted():
+    """NonZero's count is only bounded by the request: a declared dim of 0 for it must not make
+    Min(x, count * 1e9) look bounded by 0 (at the smallest request it is 1e9 already)."""
+    nodes = [
+        helper.make_node("NonZero", ["x"], ["where"]),
+        helper.make_node("Shape", ["where"], ["where_shape"]),
+        helper.make_node("Gather", ["where_shape", "one"], ["count"], axis=0),
+        helper.make_node("Mul", ["count", "billion"], ["cap"]),
+        helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+        helper.make_node("Cast", ["m"], ["m_i"], to=I64),
+        helper.make_node("Min", ["m_i", "cap"], ["n"]),
+        helper.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+        helper.make_node("ConstantOfShape", ["n1"], ["block"], name="fill"),
+        helper.make_node("ReduceSum", ["block"], ["total"], keepdims=0),
+        helper.make_node("Add", ["x", "total"], ["y"]),
+    ]
+    inits = [_const("one", 1), _const("billion", 10**9), _const("axis0", [0])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    model = _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], inits)
+    model.graph.value_info.append(helper.make_tensor_value_info("where", I64, [2, 0]))
+    _refused(model, "node 'fill'", "bounded only at 1,000,000,000 elements")
