@@ -70,6 +70,10 @@ shapes is accepted when it holds at the smallest request; verification has run t
 sizes under the optimizer's limits. Left to that: arithmetic on shapes that grows superlinearly or
 overflows only at large request shapes."""
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
+_DIRECT_SIZES = frozenset({("ConstantOfShape", 0), ("Expand", 1), ("OneHot", 1), ("Resize", 3)})
+"""Size inputs ONNX Runtime takes as output dims as they are: an astronomically large or negative value
+(``intervals.Bound.far``: a NaN or inf cast to int64) fails the request there. Where the op first computes
+with it (Tile multiplies, Pad adds, a Loop counts) it could wrap to an ordinary size, so there it is refused."""
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(MODEL_NAME_PATTERN.strip("^$"), re.ASCII)
@@ -275,9 +279,9 @@ def _check_bounded(node: onnx.NodeProto, indices: list[int], label: str, bounds:
     """Refuse unless every size that ``node`` takes from request values has a finite bound and sets at most
     ``MAX_FIXED_ELEMENTS`` elements (or loop iterations); a bound that grows with the request's shapes is
     accepted when it holds at the smallest request (the request limits bound the rest)."""
-    checks = [(2, _range_count(node, bounds))] if node.op_type == "Range" else [
-        (index, _size_count(node, index, bounds)) for index in indices]
-    for index, (count, why) in checks:
+    checks = [_range_count(node, bounds)] if node.op_type == "Range" else [
+        (index, *_size_count(node, index, bounds)) for index in indices]
+    for index, count, why in checks:
         if why is None and count > MAX_FIXED_ELEMENTS:
             unit = "iterations" if node.op_type == "Loop" else "elements"
             why = f"is bounded only at {count:,.0f} {unit}, more than the limit of {MAX_FIXED_ELEMENTS:,}"
@@ -296,9 +300,11 @@ def _size_count(node: onnx.NodeProto, index: int, bounds: ValueBounds) -> tuple[
     value = bounds.val(node.input[index])
     if intervals.unbounded(value.whole):
         return 0.0, f"has no upper bound (traced to {value.lost or 'an unbounded value'})"
+    far = [b for b in (value.elems or (value.whole,)) if b.far is not None]
+    harmless = (node.op_type, index) in _DIRECT_SIZES or (node.op_type == "Loop" and all(b.far_side == -1 for b in far))
+    if far and not harmless:  # (a Loop runs no iteration for INT64_MIN and the like)
+        return 0.0, "a NaN or infinite request value cast to an integer could make it astronomically large or wrap"
     if node.op_type == "Loop":
-        if value.whole.far is not None and value.whole.far_side != -1:  # INT64_MIN and the like: no iteration
-            return 0.0, "a NaN or infinite request value could make it astronomically large"
         return max(value.whole.fixed_hi, 0.0), None
     items = [b.fixed_hi for b in value.elems] if value.elems is not None else None
     if items is None:
@@ -313,18 +319,20 @@ def _size_count(node: onnx.NodeProto, index: int, bounds: ValueBounds) -> tuple[
     return data * math.prod(1.0 + max(x, 0.0) for x in items), None  # Pad and the like: add to each dim
 
 
-def _range_count(node: onnx.NodeProto, bounds: ValueBounds) -> tuple[float, str | None]:
-    """Range makes ceil((limit - start) / delta) elements, computed in its element type."""
-    start, limit, delta = (bounds.val(name).whole if name else intervals.point(0.0) for name in node.input[:3])
-    elem = bounds.val(node.input[0]).elem
-    if delta.lo <= 0 <= delta.hi:
-        return 0.0, "its delta (input 2) may be 0 or arbitrarily close to it"
-    span = intervals.realized(intervals.sub(limit, start, elem))
+def _range_count(node: onnx.NodeProto, bounds: ValueBounds) -> tuple[int, float, str | None]:
+    """Range makes ceil((limit - start) / delta) elements, (limit - start) computed in its element type:
+    the input to blame, the count at the smallest request, or why there is none."""
+    start, limit, delta = (bounds.val(name) for name in node.input[:3])
+    if delta.whole.lo <= 0 <= delta.whole.hi:
+        return 2, 0.0, "it may be 0 or arbitrarily close to it"
+    for index, value in ((0, start), (1, limit)):
+        if intervals.unbounded(value.whole):
+            return index, 0.0, f"has no upper bound (traced to {value.lost or 'an unbounded value'})"
+    span = intervals.realized(intervals.sub(limit.whole, start.whole, start.elem))
     if math.isinf(span.hi) or math.isinf(span.lo):
-        lost = next((bounds.val(n).lost for n in node.input[:2] if intervals.unbounded(bounds.val(n).whole)), None)
-        return 0.0, f"has no upper bound (traced to {lost or 'an unbounded value'})"
-    count = span.fixed_hi / delta.fixed_lo if delta.lo > 0 else span.fixed_lo / delta.fixed_hi
-    return max(math.ceil(count), 0), None
+        return 1, 0.0, "the span from start to limit has no bound"
+    d = delta.whole
+    return 1, max(math.ceil(span.fixed_hi / d.fixed_lo if d.lo > 0 else span.fixed_lo / d.fixed_hi), 0), None
 
 
 def _static_count(dims: list[int | None] | None, unknown: int | None = None) -> int | None:

@@ -207,7 +207,7 @@ def range_of(delta_low: float, limit_high: float = 1000.0) -> onnx.ModelProto:
 
 
 def test_range_needs_a_delta_away_from_zero():
-    _refused(range_of(0.0), "node 'steps'", "input 2 (delta) of Range", "may be 0")
+    _refused(range_of(0.0), "node 'steps'", "input 2 (delta) of Range", "and it may be 0")
     validate_model(range_of(1.0))  # at most 1000 elements
     _refused(range_of(1.0, limit_high=1e9), "node 'steps'", "bounded only at 1,000,000,", "elements")
 
@@ -338,3 +338,29 @@ def test_a_dim_the_model_declares_for_an_intermediate_tensor_is_not_trusted():
     model = _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], inits)
     model.graph.value_info.append(helper.make_tensor_value_info("where", I64, [2, 0]))
     _refused(model, "node 'fill'", "bounded only at 1,000,000,000 elements")
+
+
+def nan_castable(op: str) -> onnx.ModelProto:
+    """n = Cast(Clip(max(x), 1, 16)) (NaN casts to INT64_MIN) as ConstantOfShape's shape or Tile's repeats."""
+    sized = (helper.make_node("ConstantOfShape", ["n1"], ["block"], name="sized", value=_const("one_f", [1.0],
+                                                                                                np.float32))
+             if op == "ConstantOfShape" else helper.make_node("Tile", ["seed", "n1"], ["block"], name="sized"))
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+        helper.make_node("Clip", ["m", "low", "high"], ["c"]),
+        helper.make_node("Cast", ["c"], ["n"], to=I64),
+        helper.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+        sized,
+        helper.make_node("ReduceSum", ["block"], ["total"], keepdims=0),
+        helper.make_node("Add", ["x", "total"], ["y"]),
+    ]
+    inits = [_const("low", 1.0, np.float32), _const("high", 16.0, np.float32), _const("axis0", [0]),
+             _const("seed", [2.0, 3.0], np.float32)]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], inits)
+
+
+def test_a_nan_castable_size_is_accepted_as_a_dim_but_not_where_the_op_computes_with_it():
+    """INT64_MIN as a dim fails the request; Tile multiplies it by the input's dim, which could wrap."""
+    validate_model(nan_castable("ConstantOfShape"))
+    _refused(nan_castable("Tile"), "node 'sized'", "input 1 (repeats) of Tile", "NaN or infinite")
