@@ -273,14 +273,29 @@ class DataPlane:
 
     # ------------------------------------------------------------------ inference
     def model_for_infer(self, name: str | None, version: str | int | None = None) -> ModelVersion:
-        """The READY version a request addresses (the only model when no name is given): ``version`` as text
-        (``parse_version``) or as a number (``version_number``)."""
+        """The READY version a request addresses (``unnamed_model`` when no name is given): ``version`` as
+        text (``parse_version``) or as a number (``version_number``)."""
         number = parse_version(version) if version is None or isinstance(version, str) else version_number(version)
-        table = self.manager.table
         if name is None:
-            only = table.only_model()
-            return only if number is None or number == only.version else table.get(only.name, number)
-        return table.get(check_name(name), number)
+            return self.unnamed_model(number)
+        return self.manager.table.get(check_name(name), number)
+
+    def unnamed_model(self, number: int | None = None) -> ModelVersion:
+        """The version a request that names no model gets (REST ``/predict``): ``SERVICE_DEFAULT_MODEL``'s while
+        this server holds that model (a second upload does not change where such requests go), else the only
+        model ready; with several and none of them the default, a 400 that names the models and the setting."""
+        table = self.manager.table
+        preferred = self.manager.settings.default_model
+        if preferred is not None and preferred in table.names():
+            return table.get(preferred, number)
+        ready = table.ready_names()
+        if len(ready) == 1:
+            return table.get(ready[0], number)
+        if not ready:
+            raise BadRequestError("no model is loaded: upload one first")
+        default = "is not set" if preferred is None else f"({preferred}) is not one of them"
+        raise BadRequestError(f"several models are loaded and SERVICE_DEFAULT_MODEL {default}: name one of "
+                              f"{', '.join(ready)} ('model' in the body, or ?model=)")
 
     async def infer(self, mv: ModelVersion, request: InferenceRequest, *, alone: bool = False) -> InferenceResult:
         """Run a request that passed ``mv.signature``; ``alone``: the caller knows of no other in progress."""
