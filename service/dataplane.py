@@ -36,7 +36,7 @@ from service.errors import (
 )
 from service.image_requests import ImageDecoder
 from service.imaging.config import MAX_TOP_K
-from service.model_config import ModelConfig
+from service.model_config import BACKEND, PLATFORM, ModelConfig, triton_parameters
 from service.registry.acceptance import validate_model_name
 from service.registry.manager import ModelManager
 from service.registry.repository import Repository
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
 
 SERVER_NAME = "onnx-cnn-serve"
-PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"]
 UNSUPPORTED = {
     "trace": "the trace extension",
@@ -257,18 +256,21 @@ class DataPlane:
         return self.manager.table.get(check_name(name), parse_version(version))
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """The version's configuration in Triton's model-config shape (what tritonclient reads)."""
+        """The version's configuration in Triton's model-config shape (what tritonclient reads), the keys that
+        Triton has no field for as its ``parameters``: an upload takes it unchanged as a config
+        (``model_config.from_triton``)."""
         mv = self.find(name, version)
         batched = mv.max_batch_size > 0
         return {
             "name": mv.name,
             "platform": PLATFORM,
-            "backend": "onnxruntime",
+            "backend": BACKEND,
             "max_batch_size": mv.max_batch_size,
             "input": [{**_tensor_config(s, batched), "format": "FORMAT_NONE"} for s in mv.signature.inputs],
             "output": [_tensor_config(s, batched) for s in mv.signature.outputs],
-            "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_s * 1e6)},
+            "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_ms * 1000)},
             "version_policy": {"latest": {"num_versions": 1}},
+            "parameters": triton_parameters(mv.config.to_dict()),
         }
 
     # ------------------------------------------------------------------ inference

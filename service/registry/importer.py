@@ -96,11 +96,15 @@ def read_config(path: Path) -> ModelConfig:
     if not isinstance(data, dict):
         raise ImportRefused(f"{path.name} is not a JSON object")
     try:
-        return ModelConfig.model_validate(data)
+        config = ModelConfig.model_validate(data)
+        config.check_complete()
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "config"
         raise ImportRefused(f"{path.name}: {where}: {first.get('msg', 'invalid')}") from None
+    except ValueError as exc:
+        raise ImportRefused(f"{path.name}: {exc}") from None
+    return config
 
 
 def stored_version_of(store: ModelStore, name: str, digest: str) -> int | None:

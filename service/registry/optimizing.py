@@ -71,7 +71,7 @@ class Optimizations:
             log.info("optimizing %s", what)
             try:
                 return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
-                                              image=image_args(config), tolerance=config.tolerance)
+                                              image=image_args(config), tolerance=config.verify_tolerance)
             except OptimizationError:
                 self._check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise

@@ -132,3 +132,15 @@ def test_labels_from_a_file_merge_into_the_postprocess_once():
         config.with_labels(("x", "y"))
     with pytest.raises(ValidationError, match="label 1"):
         ModelConfig().with_labels(("x", ""))
+
+
+def test_triton_configs_as_grpc_json_writes_them_are_read():
+    """tritonclient.grpc's ``get_model_config(as_json=True)`` writes uint64 as strings; a model without a batch
+    dimension shows max_batch_size 0 (the default here); a hand-written parameter may be a bare string."""
+    grpc_json = {"name": "m", "platform": "onnxruntime_onnx", "max_batch_size": 0,
+                 "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["3"]}],
+                 "dynamic_batching": {"max_queue_delay_microseconds": "1500"},
+                 "parameters": {"buckets": {"string_value": "[1, 8]"}, "description": {"string_value": "plain text"}}}
+    config = ModelConfig.model_validate(grpc_json)
+    assert (config.max_batch_size, config.max_delay_ms, config.buckets) == (None, 1.5, (1, 8))
+    assert config.description == "plain text"
