@@ -254,6 +254,7 @@ REMOVED: dict[str, str] = {
     "HTTP_GATHER_WRITES": "each response always leaves in one write",
     "GIL_SWITCH_INTERVAL_MS": "the server sets 0.5 ms",
     "HEAP_KEEP_MB": "the server keeps 256 MiB of freed heap",
+    "BUSY_POLL_US": "it measured no gain (docs/benchmarks.md)",
 }
 """Variables of earlier releases (without the prefix) and what replaced them: a variable, or why none."""
 _OLD_GROUPS = ("BATCHING__", "ENGINE__", "OPTIMIZER__")
