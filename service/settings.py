@@ -76,6 +76,11 @@ class ServiceSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     demo_model: bool = Field(True, description="Install the demo model (mobilenet_v3_large) in a fresh store.")
+    default_model: str | None = Field(
+        "mobilenet_v3_large", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="The model a POST /predict that names none goes to, while the server holds it (else: the "
+        "only model loaded); empty: always the only model loaded.",
+    )
     max_request_mb: int = Field(64, ge=1, le=4096, description="Largest inference request body, in MiB (413).")
     max_upload_mb: int = Field(512, ge=1, le=16384, description="Largest model upload, in MiB (413).")
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
@@ -140,6 +145,11 @@ class ServiceSettings(BaseSettings):
         if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", ""):
             return None
         return value
+
+    @field_validator("default_model", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -244,6 +254,7 @@ REMOVED: dict[str, str] = {
     "HTTP_GATHER_WRITES": "each response always leaves in one write",
     "GIL_SWITCH_INTERVAL_MS": "the server sets 0.5 ms",
     "HEAP_KEEP_MB": "the server keeps 256 MiB of freed heap",
+    "BUSY_POLL_US": "it measured no gain (docs/benchmarks.md)",
 }
 """Variables of earlier releases (without the prefix) and what replaced them: a variable, or why none."""
 _OLD_GROUPS = ("BATCHING__", "ENGINE__", "OPTIMIZER__")

@@ -75,7 +75,7 @@ class Optimizations:
             log.info("optimizing %s", what)
             try:
                 return await self._runner.run(source, out_dir, variants=self.to_make(config), verify=config.verify,
-                                              image=image_args(config), tolerance=config.tolerance)
+                                              image=image_args(config), tolerance=config.verify_tolerance)
             except OptimizationError:
                 self._check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise

@@ -194,7 +194,7 @@ class OptimizerRunner:
                 _kill(proc)
                 proc.communicate()
                 raise OptimizationError(
-                    f"optimization timed out after {self.timeout_s:g} s (limit: optimizer.timeout_s)"
+                    f"optimization timed out after {self.timeout_s:g} s (limit: SERVICE_OPTIMIZER_TIMEOUT_S)"
                 ) from None
         finally:
             with self._lock:
@@ -245,13 +245,13 @@ def _read_result(
         if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or _looks_like_oom(tail):
             raise OptimizationError(
                 f"optimization exceeded the memory limit of {limit_mb} MiB or crashed "
-                "(limit: optimizer.memory_limit_mb)"
+                "(limit: SERVICE_OPTIMIZER_MEMORY_MB)"
             )
         raise OptimizationError(f"optimization failed: the optimizer process exited with status {returncode}")
     if not result.get("ok"):
         if result.get("error") == "memory":
             raise OptimizationError(
-                f"optimization exceeded the memory limit of {limit_mb} MiB (limit: optimizer.memory_limit_mb)"
+                f"optimization exceeded the memory limit of {limit_mb} MiB (limit: SERVICE_OPTIMIZER_MEMORY_MB)"
             )
         error = _ERRORS.get(str(result.get("error")), OptimizationError)
         raise error(client_message(str(result.get("message") or "optimization failed"), out_dir, source))

@@ -199,11 +199,12 @@ class ModelStore:
         self.staging_dir.mkdir(exist_ok=True)
 
     def new_staging_file(self, suffix: str = ".part") -> Path:
-        """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
+        """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in: an
+        upload becomes the version's ``original.onnx``, mode 0644 less the umask like the store's other files)."""
         path = self.staging_dir / f"{self._tag()}{suffix}"
         with _disk_errors():
             self._ensure_staging()
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         return path
 
     def new_staging_dir(self) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -25,6 +26,18 @@ def stage(store: ModelStore, content: bytes) -> Path:
 def add(store: ModelStore, name: str, content: bytes, **meta) -> int:
     optimized = stage(store, b"optimized:" + content)
     return store.add_version(name, stage(store, content), files={"optimized.onnx": optimized}, metadata=meta)
+
+
+def test_stored_files_are_readable_like_ordinary_files(tmp_path):
+    before = os.umask(0o022)
+    try:
+        store = ModelStore(tmp_path)
+        version = add(store, "m", b"one")
+    finally:
+        os.umask(before)
+    for filename in (ORIGINAL, "optimized.onnx", METADATA):
+        mode = stat.S_IMODE(store.file_path("m", version, filename).stat().st_mode)
+        assert mode == 0o644, f"{filename}: {oct(mode)}"
 
 
 def test_versions_are_numbered_and_complete(tmp_path):
