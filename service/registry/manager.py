@@ -52,6 +52,7 @@ from service.registry.metadata import (
     SCHEMA_VERSION,
     OptimizationRecord,
     VersionMetadata,
+    now_iso,
     stored_record,
 )
 from service.registry.optimizing import Optimizations
@@ -375,6 +376,7 @@ class ModelManager:
             options=engine_options(self.settings, mv.config), precision=mv.config.precision,
             cached_choice=mv.metadata.engine, batch_limit=mv.config.max_batch_size, label=mv.name,
             cached_records=tuple(mv.metadata.engines.values()),
+            known_faults=tuple(await asyncio.to_thread(self.store.tuner_faults)),
         )
         threads = EngineThreads(f"{mv.name}:{mv.version}")
         try:
@@ -391,6 +393,7 @@ class ModelManager:
                 if not before.records_engine(record):
                     change = functools.partial(_with_record, record, _run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
+            await self._save_faults(mv, [fault for record in records for fault in record.get("faults") or ()])
             activating = time.perf_counter()
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
@@ -421,6 +424,20 @@ class ModelManager:
         except InsufficientStorageError as exc:
             log.warning("%s v%d: %s was not saved (%s); it serves, and a later start repeats the work",
                         mv.name, mv.version, what, exc.message)
+
+    async def _save_faults(self, mv: ModelVersion, faults: list[dict[str, Any]]) -> None:
+        """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
+        if not faults:
+            return
+        seen = [{**fault, "seen": now_iso(), "model": mv.name} for fault in faults]
+        try:
+            await asyncio.to_thread(self.store.add_tuner_faults, seen)
+        except InsufficientStorageError as exc:
+            log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
+                        mv.name, mv.version, exc.message)
+        else:
+            log.info("%s v%d: kept %d tuner configuration(s) that faulted the GPU: %s", mv.name, mv.version,
+                     len(faults), ", ".join(f"{f.get('config')} ({f.get('error')})" for f in faults))
 
     def report_loaded(self) -> None:
         if self.metrics is not None:

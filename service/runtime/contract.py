@@ -446,8 +446,9 @@ class Engine(Protocol):
 class LoadRequest:
     """A model version's engine: its optimized variants (variant name -> file path), options, precision,
     the tuner's earlier record for it (reused on the same device), the merge limit of the engine process,
-    the model's name for logs and metrics (not part of the key), and the records made on other devices
-    (replicas on other GPUs: the one of this device, if there, is reused)."""
+    the model's name for logs and metrics (not part of the key), the records made on other devices
+    (replicas on other GPUs: the one of this device, if there, is reused), and the store's record of tuner
+    configurations that faulted a GPU (``runtime.tuner_faults``)."""
 
     files: dict[str, str]
     options: EngineOptions
@@ -456,6 +457,7 @@ class LoadRequest:
     batch_limit: int
     label: str = ""
     cached_records: tuple[dict[str, Any], ...] = ()
+    known_faults: tuple[dict[str, Any], ...] = ()
 
 
 def stored_record(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ def load_in_process(request: LoadRequest) -> LoadedEngine:
     phases.add("read", time.perf_counter() - started)
     started = time.perf_counter()
     engine, record = select_variant(candidates, request.options, precision=request.precision,
-                                    cached_choice=request.cached_choice, cached_records=request.cached_records)
+                                    cached_choice=request.cached_choice, cached_records=request.cached_records,
+                                    known_faults=request.known_faults)
     chose_s = time.perf_counter() - started
     info = engine.describe()
     phases.add("tune", chose_s - float(info.get("load_s", 0.0)), _tune_note(record))
@@ -38,12 +39,11 @@ def load_in_process(request: LoadRequest) -> LoadedEngine:
 
 
 def _tune_note(record: dict) -> str:
-    """What the tune phase did: reused a record, or timed how many configurations."""
-    if record.get("reused"):
-        search = (record.get("cudnn_conv_algo_search") or {}).get("measured_now")
-        return "record reused" + ("; cuDNN search measured" if search else "")
+    """What the tune phase did: reused a record, or timed how many configurations; and the cuDNN search."""
     timed = len(record.get("timings_ms") or {})
-    return f"{timed} configuration(s) timed" if timed else "untimed"
+    note = "record reused" if record.get("reused") else f"{timed} configuration(s) timed" if timed else "untimed"
+    search = record.get("cudnn_conv_algo_search")
+    return note + (f"; cuDNN search {search['choice']}" if isinstance(search, dict) and "choice" in search else "")
 
 
 __all__ = ["load_in_process"]

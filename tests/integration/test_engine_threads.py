@@ -193,3 +193,31 @@ def test_load_phases_are_logged_and_reported(tmp_path, caplog):
     assert values["total"] > 0 and values["optimize"] > 0 and values["session"] > 0
     assert abs(sum(v for phase, v in values.items() if phase != "total") - values["total"]) < 1e-6
 
+
+
+def test_the_tuners_gpu_faults_are_kept_store_wide_and_handed_to_later_loads(tmp_path):
+    """A fault the tuner reports in its record is kept in the store (by the registry, which owns the store),
+    and every later load, of this model or another, gets it back in its request (the tuner filters by GPU,
+    ORT version and graph)."""
+    requests: list[LoadRequest] = []
+    fault = {"device": "GPU X", "ort_version": "1.31.1", "variant": "plain", "graph_sha256": "a" * 64,
+             "config": "plain/nchw/fp32", "error": "CUDA failure 715: an illegal instruction"}
+
+    def loader(request: LoadRequest) -> LoadedEngine:
+        requests.append(request)
+        record = {"device": "GPU X", "ort_version": "1.31.1", "choice": {"variant": "fused"}}
+        if len(requests) == 1:
+            record["faults"] = [fault]
+        return LoadedEngine(ThreadBoundEngine(BUCKETS), record)
+
+    async def main() -> None:
+        manager = ModelManager(settings_for(tmp_path), engine_loader=loader)
+        await manager.start()
+        await upload(manager, "first", doubler())
+        await upload(manager, "second", doubler())
+        await manager.stop(1)
+
+    asyncio.run(main())
+    assert requests[0].known_faults == ()
+    [kept] = requests[1].known_faults
+    assert {k: kept[k] for k in fault} == fault and kept["model"] == "first" and kept["seen"]
