@@ -110,9 +110,9 @@ class ServiceSettings(BaseSettings):
     )
     cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
         "auto", **_advanced("cuDNN convolution algorithm search. auto: the GPU tuner times EXHAUSTIVE against "
-                            "HEURISTIC for the chosen configuration at every bucket and serves HEURISTIC (a faster "
-                            "warm-up) unless EXHAUSTIVE is over 3 % faster at a bucket; a restart on the same GPU "
-                            "and ONNX Runtime reuses the verdict. Any other value is used as set.")
+                            "HEURISTIC for the chosen configuration at every bucket and serves HEURISTIC (the "
+                            "cheaper search to warm up) unless EXHAUSTIVE is over 3 % faster at a bucket; a restart "
+                            "on the same GPU and ONNX Runtime reuses the verdict. Any other value is used as set.")
     )
     tune_budget_s: float = Field(
         60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model timing its candidate "
