@@ -397,3 +397,23 @@ def test_an_engine_loaded_on_its_thread_serves_there_captured_once(tiny: onnx.Mo
         assert rel_l2(direct.outputs["y"], expected) < REL_L2_FP32
     finally:
         engine.close()
+
+
+def test_the_cudnn_search_comparison_times_both_searches_on_the_gpu(tiny: onnx.ModelProto) -> None:
+    """conv_search.measure in its child process on the GPU: both searches timed at every bucket, their warm-ups
+    reported, a verdict by the noise rule; the served session is built with the verdict."""
+    from service.runtime import conv_search
+    from service.runtime.cuda_configs import Config, load_config
+
+    config = Config("plain", True, "fp32", False)
+    options = EngineOptions(device="cuda", buckets=(1, 8), cudnn_conv_algo_search="auto")
+    entry = conv_search.measure(config, tiny, options)
+    assert entry["measured"] is True and entry["choice"] in ("HEURISTIC", "EXHAUSTIVE"), entry
+    assert set(entry["timings_ms"]) == {"HEURISTIC", "EXHAUSTIVE"}
+    assert all(set(t) == {"1", "8"} and min(t.values()) > 0 for t in entry["timings_ms"].values())
+    assert all(set(w) == {"1", "8"} for w in entry["warm_s"].values())
+    assert conv_search.verdict(entry["timings_ms"])[0] == entry["choice"]
+    served = conv_search.served_options({"cudnn_conv_algo_search": entry}, config, tiny, options, 30.0)
+    with load_config(tiny, config, served) as engine:
+        assert engine.describe()["cudnn_conv_algo_search"] == entry["choice"]
+        assert_matches_cpu(engine, tiny, 3, 5)
