@@ -17,6 +17,8 @@
 #
 # Device calls (600 s each at most; every part below fits in 560 s), after the six setup calls of
 # ../shared/gpu/stage, each as: source .gpu/device-setup.sh && GIT_COMMIT=<commit> bench/gpu_session.sh PARTS
+#   0. check tests    ~3-5 min (TESTS_TIMEOUT_S 300): tests/gpu, among them the engine warmed and served on its
+#                     own thread (no second capture) and the cuDNN search comparison on the GPU.
 #   1. check cold     ~8-9 min: the warm store is prepared once (a fresh start: 1-2 min), 30 warm starts
 #                     6 at once (~10 s each: ~1 min), then fresh starts 5 at once until COLD_DEADLINE_S (400 s;
 #                     at ~45-90 s per start, 20-30 of the 30). If fewer than 30 fresh starts ran, a second
@@ -47,7 +49,7 @@ for part in "${@:-all}"; do
       python3 -c 'import onnxruntime as o, httptools, sys; print(sys.version.split()[0], o.__version__, o.get_available_providers())' \
         2>&1 | tee -a "$S/gpu.txt" ;;&
     tests|all)
-      run gpu-tests "${TESTS_TIMEOUT_S:-150}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
+      run gpu-tests "${TESTS_TIMEOUT_S:-300}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
     fused|all)
       run fused-ops "${FUSED_TIMEOUT_S:-340}" python3 bench/fused_ops.py --deadline-s "${FUSED_DEADLINE_S:-300}" \
         --phases "${FUSED_PHASES:-build,check,model}" --out "$S/fused-ops.json" ;;&

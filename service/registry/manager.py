@@ -393,7 +393,8 @@ class ModelManager:
                 if not before.records_engine(record):
                     change = functools.partial(_with_record, record, _run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
-            await self._save_faults(mv, [fault for record in records for fault in record.get("faults") or ()])
+            await self._save_faults(mv, [fault for record in records if not record.get("reused")
+                                         for fault in record.get("faults") or ()])
             activating = time.perf_counter()
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
