@@ -315,12 +315,10 @@ class ModelStore:
     def add_tuner_faults(self, entries: list[dict[str, Any]]) -> None:
         """Keep these faults beside the ones stored (read-modify-write under the store lock); an entry equal
         to a stored one but for ``seen`` replaces it."""
-        with self._locked():
+        with _disk_errors(), self._locked():
             fresh = {_fault_key(entry) for entry in entries}
             kept = [entry for entry in self.tuner_faults() if _fault_key(entry) not in fresh] + list(entries)
-            with _disk_errors():
-                atomic_write(self.root / _TUNER_FAULTS, _dump({"faults": kept[-MAX_TUNER_FAULTS:]}),
-                             owner=self.owner)
+            atomic_write(self.root / _TUNER_FAULTS, _dump({"faults": kept[-MAX_TUNER_FAULTS:]}), owner=self.owner)
 
     def delete_version(self, name: str, version: int) -> None:
         """Remove a version: it disappears in one rename, then its files are deleted. When the rename is
