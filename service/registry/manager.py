@@ -430,15 +430,13 @@ class ModelManager:
         """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
         if not faults:
             return
-        seen = [{**fault, "seen": now_iso(), "model": mv.name} for fault in faults]
         try:
-            await asyncio.to_thread(self.store.add_tuner_faults, seen)
+            await asyncio.to_thread(self.store.add_tuner_faults, [{**f, "seen": now_iso(), "model": mv.name}
+                                                                 for f in faults])
+            log.info("%s v%d: kept the tuner's GPU faults: %s", mv.name, mv.version, [f.get("config") for f in faults])
         except (OSError, ServiceError) as exc:  # only a cache of what to skip: the version serves regardless
             log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
                         mv.name, mv.version, exc.message if isinstance(exc, ServiceError) else exc)
-        else:
-            log.info("%s v%d: kept %d tuner configuration(s) that faulted the GPU: %s", mv.name, mv.version,
-                     len(faults), ", ".join(f"{f.get('config')} ({f.get('error')})" for f in faults))
 
     def report_loaded(self) -> None:
         if self.metrics is not None:
