@@ -113,12 +113,17 @@ class ServiceSettings(BaseSettings):
         DEFAULT_BUCKETS, **_advanced("Batch-size buckets: one IO binding and CUDA graph each; a batch is padded up "
                                      "to the next bucket.")
     )
-    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
-        "EXHAUSTIVE", **_advanced("cuDNN convolution algorithm search (EXHAUSTIVE costs time at load only).")
+    cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
+        "auto", **_advanced("cuDNN convolution algorithm search. auto: the GPU tuner times EXHAUSTIVE against "
+                            "HEURISTIC for the chosen configuration at every bucket and serves HEURISTIC (the "
+                            "cheaper search to warm up) unless EXHAUSTIVE is over 3 % faster at a bucket; a restart "
+                            "on the same GPU and ONNX Runtime reuses the verdict. Any other value is used as set.")
     )
     tune_budget_s: float = Field(
-        60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model on the GPU timing "
-                                             "its candidate variants (0: serve the first one untimed).")
+        60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model timing its candidate "
+                                             "configurations, each in a child process (the first always runs; "
+                                             "ones known to fault this GPU are skipped; the cuDNN search "
+                                             "comparison comes on top). 0: serve the first one untimed.")
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
     verify: bool = Field(
@@ -227,7 +232,7 @@ REMOVED: dict[str, str] = {
     "BATCHING__MAX_DELAY_MS": "SERVICE_MAX_DELAY_MS",
     "BATCHING__QUEUE_SIZE": "SERVICE_QUEUE_SIZE",
     "BATCHING__TIMEOUT_S": "SERVICE_REQUEST_TIMEOUT_S",
-    "BATCHING__INLINE_MAX_MS": "a lone request runs on the event loop when the engine took under 1 ms",
+    "BATCHING__INLINE_MAX_MS": "a lone request skips the queue when the engine took under 1 ms",
     "ENGINE__DEVICE": "SERVICE_DEVICE",
     "ENGINE__DEVICE_ID": "SERVICE_DEVICES",
     "DEVICE_ID": "SERVICE_DEVICES (a comma list of CUDA ordinals, or all)",

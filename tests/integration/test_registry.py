@@ -369,9 +369,6 @@ class HeldEngine:
     def last_engine_seconds(self) -> float | None:
         return self._inner.last_engine_seconds()
 
-    def prepare_thread(self) -> None:
-        self._inner.prepare_thread()
-
     def page_locker(self):
         return self._inner.page_locker()
 
