@@ -114,16 +114,18 @@ class ServiceSettings(BaseSettings):
                                      "to the next bucket.")
     )
     cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
-        "auto", **_advanced("cuDNN convolution algorithm search. auto: the GPU tuner times EXHAUSTIVE against "
-                            "HEURISTIC for the chosen configuration at every bucket and serves HEURISTIC (the "
-                            "cheaper search to warm up) unless EXHAUSTIVE is over 3 % faster at a bucket; a restart "
-                            "on the same GPU and ONNX Runtime reuses the verdict. Any other value is used as set.")
+        "auto", **_advanced("cuDNN convolution algorithm search. auto: HEURISTIC (the cheaper search to warm up) "
+                            "serves at once; once the model serves, the chosen configuration is timed with EXHAUSTIVE "
+                            "against HEURISTIC at every bucket in the background, and a restart on the same GPU and "
+                            "ONNX Runtime serves HEURISTIC unless EXHAUSTIVE was over 3 % faster at a bucket. Any "
+                            "other value is used as set.")
     )
     tune_budget_s: float = Field(
         60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model timing its candidate "
                                              "configurations, each in a child process (the first always runs; "
                                              "ones known to fault this GPU are skipped; the cuDNN search "
-                                             "comparison comes on top). 0: serve the first one untimed.")
+                                             "comparison runs after the model serves). 0: serve the first one "
+                                             "untimed.")
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
     verify: bool = Field(

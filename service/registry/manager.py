@@ -57,11 +57,13 @@ from service.registry.metadata import (
 )
 from service.registry.optimizing import Optimizations
 from service.registry.repository import is_unloaded
+from service.registry.search_later import DeferredSearches
 from service.registry.store import ModelStore
 from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
 from service.registry.version import MetricsSink, ModelState, ModelVersion
 from service.runtime.contract import EngineLoader, EngineOptions, LoadedEngine, LoadRequest
+from service.runtime.conv_search import pending as search_pending
 from service.runtime.engine_process.devices import DeviceBoard
 from service.runtime.engine_thread import EngineThreads
 from service.runtime.loading import load_in_process
@@ -149,6 +151,7 @@ class ModelManager:
         self._optimizing = Optimizations(settings, self.store, self.check_accepting,
                                          server_variants(settings) if variants is None else variants)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
+        self._searches = DeferredSearches(self.store, self.check_accepting, self._save_verdict)
         self._started = False
         self.stopping = False
 
@@ -188,6 +191,7 @@ class ModelManager:
         """Refuse new work, let in-flight requests finish within ``grace_s``, close every engine."""
         self.stopping = True
         self._optimizing.kill_all()
+        await self._searches.stop()
         if self._follower is not None:
             await self._follower.stop()
         everything = list(self.table)
@@ -393,11 +397,13 @@ class ModelManager:
                 if not before.records_engine(record):
                     change = functools.partial(_with_record, record, _run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
-            await self._save_faults(mv, [fault for record in records if not record.get("reused")
+            await _save_faults(self.store, mv, [fault for record in records if not record.get("reused")
                                          for fault in record.get("faults") or ()])
             activating = time.perf_counter()
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
+            if search_pending(loaded.record):
+                self._searches.schedule(mv, request, loaded.record)
         except BaseException:
             if not mv.has_engine:
                 await threads.run(loaded.engine.close)
@@ -426,21 +432,27 @@ class ModelManager:
             log.warning("%s v%d: %s was not saved (%s); it serves, and a later start repeats the work",
                         mv.name, mv.version, what, exc.message)
 
-    async def _save_faults(self, mv: ModelVersion, faults: list[dict[str, Any]]) -> None:
-        """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
-        if not faults:
-            return
-        try:
-            await asyncio.to_thread(self.store.add_tuner_faults, [{**f, "seen": now_iso(), "model": mv.name}
-                                                                 for f in faults])
-            log.info("%s v%d: kept the tuner's GPU faults: %s", mv.name, mv.version, [f.get("config") for f in faults])
-        except (OSError, ServiceError) as exc:  # only a cache of what to skip: the version serves regardless
-            log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
-                        mv.name, mv.version, exc.message if isinstance(exc, ServiceError) else exc)
+    async def _save_verdict(self, mv: ModelVersion, record: dict[str, Any]) -> None:
+        """Store a tuner record whose cuDNN search was compared later (the next load builds with it)."""
+        assert mv.metadata is not None
+        change = functools.partial(_with_record, record, _run_of(mv.metadata.optimization))
+        await self._save_metadata(mv, change, "the cuDNN search verdict")
 
     def report_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_loaded_models(self.table.ready_count())
+
+
+async def _save_faults(store: ModelStore, mv: ModelVersion, faults: list[dict[str, Any]]) -> None:
+    """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
+    if not faults:
+        return
+    try:
+        await asyncio.to_thread(store.add_tuner_faults, [{**f, "seen": now_iso(), "model": mv.name} for f in faults])
+        log.info("%s v%d: kept the tuner's GPU faults: %s", mv.name, mv.version, [f.get("config") for f in faults])
+    except (OSError, ServiceError) as exc:  # only a cache of what to skip: the version serves regardless
+        log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
+                    mv.name, mv.version, exc.message if isinstance(exc, ServiceError) else exc)
 
 
 def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:

@@ -7,9 +7,11 @@ input shape changes, choosing it with heuristics mode B for EXHAUSTIVE and mode 
 conv.cc); whether the slower choice gives faster kernels depends on the model and the GPU. So with the setting
 "auto", once per chosen configuration, GPU and ORT version, a child process builds the configuration with
 both searches at every served bucket and times each bucket's replay, and the faster-to-warm HEURISTIC is
-served unless EXHAUSTIVE is faster beyond noise at some served bucket. The verdict is the record's
-``cudnn_conv_algo_search`` entry (``runtime.tuner``'s record, kept per GPU and ORT version), so a restart on
-the same GPU and ORT version builds the session with it and measures nothing. An explicit setting
+served unless EXHAUSTIVE is faster beyond noise at some served bucket. The comparison costs EXHAUSTIVE's whole
+warm-up, so it never delays a start: the first load serves HEURISTIC with the entry ``pending``, and the
+registry runs the comparison once the model serves (``measure_pending``, in the background). The verdict is
+the record's ``cudnn_conv_algo_search`` entry (``runtime.tuner``'s record, kept per GPU and ORT version), so a
+restart on the same GPU and ORT version builds the session with it and measures nothing. An explicit setting
 (EXHAUSTIVE, HEURISTIC, DEFAULT) is used as set, and the tuner times its candidates with it; under "auto" the
 candidates are timed with HEURISTIC (the ranking is about graphs, layouts and precisions; each candidate's
 warm-up costs a fraction of EXHAUSTIVE's) and the comparison follows for the winner only.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -87,8 +90,24 @@ def served_options(
         return settings
     entry = record.get(FIELD)
     if not _reusable(entry, config, budget_s):
-        entry = record[FIELD] = _unmeasured(config) if budget_s <= 0 else measure(config, model, settings)
+        entry = record[FIELD] = _unmeasured(config) if budget_s <= 0 else _pending(config)
     return settings.replace(cudnn_conv_algo_search=entry["choice"])
+
+
+def pending(record: Mapping[str, Any]) -> bool:
+    """The record's search is still to be compared (``measure_pending``)."""
+    entry = record.get(FIELD)
+    return isinstance(entry, dict) and bool(entry.get("pending"))
+
+
+def measure_pending(
+    record: Mapping[str, Any], files: Mapping[str, str], settings: EngineOptions, cancel: threading.Event | None = None
+) -> dict[str, Any]:
+    """The record with its pending search compared (a child process; minutes at most, ``TIMEOUT_S``; ``cancel``
+    kills it): what the next load on this GPU and ORT version builds its session with."""
+    config = Config(**record["choice"])
+    model = onnx.load(files[config.variant], load_external_data=False)
+    return {**record, FIELD: measure(config, model, settings, cancel)}
 
 
 def _reusable(entry: Any, config: Config, budget_s: float) -> bool:
@@ -97,18 +116,26 @@ def _reusable(entry: Any, config: Config, budget_s: float) -> bool:
             and (bool(entry.get("measured")) or budget_s <= 0))
 
 
+def _pending(config: Config) -> dict[str, Any]:
+    logger.info("autotune: cuDNN search %s for %s until the comparison, run once the model serves", CHEAP, config.key)
+    return {"config": config.key, "choice": CHEAP, "measured": False, "pending": True,
+            "reason": f"{CHEAP} served until the comparison, run once the model serves, records a verdict"}
+
+
 def _unmeasured(config: Config) -> dict[str, Any]:
     logger.info("autotune: cuDNN search %s for %s, not measured (tuning budget 0)", CHEAP, config.key)
     return {"config": config.key, "choice": CHEAP, "measured": False, "reason": "tuning budget 0: not measured"}
 
 
-def measure(config: Config, model: onnx.ModelProto, settings: EngineOptions) -> dict[str, Any]:
+def measure(
+    config: Config, model: onnx.ModelProto, settings: EngineOptions, cancel: threading.Event | None = None
+) -> dict[str, Any]:
     """Both searches timed in a child process (see the module docstring); the record's entry."""
     started = time.monotonic()
     entry: dict[str, Any] = {"config": config.key, "measured": True, "rule": RULE}
     try:
         outcome = run_in_child(compare_child, (model.SerializeToString(), settings.to_dict(), config.to_dict()),
-                               timeout_s=TIMEOUT_S)
+                               timeout_s=TIMEOUT_S, cancel=cancel)
         entry["choice"], entry["reason"] = verdict(outcome["timings_ms"])
         entry.update(timings_ms=outcome["timings_ms"], warm_s=outcome["warm_s"], session_s=outcome["session_s"])
     except Exception as exc:  # a crash or overrun costs the comparison only: the cheap search ran when timed
@@ -148,4 +175,5 @@ def compare_child(model_data: bytes, settings_data: dict[str, Any], config_data:
             engine.close()
 
 
-__all__ = ["AUTO", "FIELD", "NOISE", "measure", "ranking_options", "served_options", "verdict"]
+__all__ = ["AUTO", "FIELD", "NOISE", "measure", "measure_pending", "pending", "ranking_options", "served_options",
+           "verdict"]

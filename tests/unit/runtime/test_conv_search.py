@@ -72,7 +72,7 @@ def children(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]
     """The comparison's child, faked: HEURISTIC 2 % slower at every bucket (within noise). Records each call."""
     calls: list[tuple[str, dict[str, Any]]] = []
 
-    def fake_child(fn, args, *, timeout_s):
+    def fake_child(fn, args, *, timeout_s, cancel=None):
         calls.append((Config(**args[2]).key, args[1]))
         buckets = [str(b) for b in args[1]["buckets"]]
         return {"timings_ms": timings({b: 1.02 for b in buckets}, dict.fromkeys(buckets, 1.0)),
@@ -82,17 +82,29 @@ def children(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]
     return calls
 
 
-def test_auto_measures_once_and_a_record_with_the_verdict_is_reused(
-    candidates: dict[str, onnx.ModelProto], children: list
+@pytest.fixture
+def files(candidates: dict[str, onnx.ModelProto], tmp_path) -> dict[str, str]:
+    """The optimized variants as a load request names them."""
+    paths = {}
+    for name, model in candidates.items():
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        paths[name] = str(tmp_path / f"{name}.onnx")
+    return paths
+
+
+def test_auto_serves_the_cheap_search_at_once_and_compares_once_the_model_serves(
+    candidates: dict[str, onnx.ModelProto], children: list, files: dict[str, str]
 ) -> None:
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"choice": CONFIG.to_dict()}
     served = conv_search.served_options(record, CONFIG, candidates["plain"], AUTO, budget_s=30.0)
     assert served.cudnn_conv_algo_search == "HEURISTIC" and served.buckets == AUTO.buckets
-    entry = record["cudnn_conv_algo_search"]
+    assert conv_search.pending(record) and children == []  # the start waits for no comparison
+    measured = conv_search.measure_pending(record, files, AUTO)
+    entry = measured["cudnn_conv_algo_search"]
     assert entry["config"] == CONFIG.key and entry["choice"] == "HEURISTIC" and entry["measured"] is True
     assert set(entry["timings_ms"]["HEURISTIC"]) == {"1", "2", "4"}  # every served bucket
-    assert children == [(CONFIG.key, AUTO.to_dict())]
-    again = conv_search.served_options(dict(record), CONFIG, candidates["plain"], AUTO, budget_s=30.0)
+    assert children == [(CONFIG.key, AUTO.to_dict())] and not conv_search.pending(measured)
+    again = conv_search.served_options(dict(measured), CONFIG, candidates["plain"], AUTO, budget_s=30.0)
     assert again.cudnn_conv_algo_search == "HEURISTIC" and len(children) == 1  # reused: nothing measured
 
 
@@ -101,7 +113,7 @@ def test_a_verdict_for_another_configuration_is_measured_again(
 ) -> None:
     record = {"cudnn_conv_algo_search": {"config": "plain/nchw/fp32", "choice": "EXHAUSTIVE", "measured": True}}
     served = conv_search.served_options(record, CONFIG, candidates["plain"], AUTO, budget_s=30.0)
-    assert served.cudnn_conv_algo_search == "HEURISTIC" and len(children) == 1
+    assert served.cudnn_conv_algo_search == "HEURISTIC" and conv_search.pending(record)
     assert record["cudnn_conv_algo_search"]["config"] == CONFIG.key
 
 
@@ -122,27 +134,28 @@ def test_a_zero_budget_serves_the_cheap_search_unmeasured_and_a_budget_measures_
 ) -> None:
     record: dict[str, Any] = {}
     assert search(record, candidates["plain"], 0.0) == "HEURISTIC"
-    assert record["cudnn_conv_algo_search"]["measured"] is False and children == []
+    assert record["cudnn_conv_algo_search"]["measured"] is False and not conv_search.pending(record)
     assert search(record, candidates["plain"], 0.0) == "HEURISTIC"
     assert children == []
     conv_search.served_options(record, CONFIG, candidates["plain"], AUTO, 30.0)
-    assert record["cudnn_conv_algo_search"]["measured"] is True and len(children) == 1
+    assert conv_search.pending(record) and children == []  # a budget: compared once the model serves
 
 
 def test_a_failed_comparison_serves_the_cheap_search_and_is_not_repeated(
-    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
+    candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch, files: dict[str, str]
 ) -> None:
     calls = []
 
-    def crash(fn, args, *, timeout_s):
+    def crash(fn, args, *, timeout_s, cancel=None):
         calls.append(args)
         raise ChildProcessFailed("the child process died (exit code -6)")
 
     monkeypatch.setattr(conv_search, "run_in_child", crash)
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"choice": CONFIG.to_dict()}
     assert search(record, candidates["plain"], 30.0) == "HEURISTIC"
+    record = conv_search.measure_pending(record, files, AUTO)
     assert "comparison failed" in record["cudnn_conv_algo_search"]["reason"] and "exit code -6" in str(record)
-    conv_search.served_options(record, CONFIG, candidates["plain"], AUTO, 30.0)
+    assert search(record, candidates["plain"], 30.0) == "HEURISTIC" and not conv_search.pending(record)
     assert len(calls) == 1
 
 
@@ -184,7 +197,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
 
 
 def test_the_tuner_records_the_verdict_and_a_restart_reuses_it_without_measuring(
-    candidates: dict[str, onnx.ModelProto], fake_gpu: dict[str, list], children: list
+    candidates: dict[str, onnx.ModelProto], fake_gpu: dict[str, list], children: list, files: dict[str, str]
 ) -> None:
     options = AUTO.replace(buckets=(1, 4))
     engine, record = tuner.select_variant(candidates, options, precision="fp32")
@@ -192,6 +205,8 @@ def test_the_tuner_records_the_verdict_and_a_restart_reuses_it_without_measuring
     assert set(fake_gpu["ranked_with"]) == {"HEURISTIC"}  # candidates timed with the cheap search
     assert fake_gpu["served_with"] == ["HEURISTIC"]
     chosen = Config(**record["choice"]).key
+    assert conv_search.pending(record) and children == []
+    record = conv_search.measure_pending(record, files, options)  # what the registry runs once it serves
     assert record["cudnn_conv_algo_search"]["config"] == chosen and [c[0] for c in children] == [chosen]
     assert record["device"] == "GPU X" and record["ort_version"] == ort.__version__
     fake_gpu["ranked_with"].clear()
@@ -201,8 +216,8 @@ def test_the_tuner_records_the_verdict_and_a_restart_reuses_it_without_measuring
     assert fake_gpu["served_with"] == ["HEURISTIC", "HEURISTIC"]
 
 
-def test_a_record_without_a_verdict_is_measured_once_at_the_next_start(
-    candidates: dict[str, onnx.ModelProto], fake_gpu: dict[str, list], children: list
+def test_a_record_without_a_verdict_is_compared_once_its_model_serves(
+    candidates: dict[str, onnx.ModelProto], fake_gpu: dict[str, list], children: list, files: dict[str, str]
 ) -> None:
     """A record made before the comparison existed (or under an explicit setting) keeps its choice; the
     search is measured for it once, and the record says so from then on."""
@@ -210,4 +225,6 @@ def test_a_record_without_a_verdict_is_measured_once_at_the_next_start(
     engine, record = tuner.select_variant(candidates, AUTO, precision="fp32", cached_choice=old)
     engine.close()
     assert record["reused"] is True and fake_gpu["ranked_with"] == []
+    assert conv_search.pending(record) and children == []
+    record = conv_search.measure_pending(record, files, AUTO)
     assert [c[0] for c in children] == [CONFIG.key] and record["cudnn_conv_algo_search"]["choice"] == "HEURISTIC"
