@@ -67,7 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import common, cpu_usage  # noqa: E402
+from bench import common, cpu_usage, triton_repository  # noqa: E402
 
 DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
@@ -110,10 +110,20 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     cwd: Path = ROOT
     """Where the server runs (another checkout for a baseline of an earlier commit)."""
+    port_option: str = "--port"
+    """The option that takes the HTTP port, appended to ``command`` (tritonserver's is ``--http-port``)."""
+    metrics_port: int | None = None
+    """Where /metrics is served when not on the HTTP port (Triton's metrics port)."""
+    metrics_dialect: str = "service"
+    """Whose /metrics: ``service`` (ours: batch-size histograms, request/queue/compute seconds) or ``triton``."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.url if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}"
 
     @property
     def grpc_target(self) -> str | None:
@@ -124,11 +134,19 @@ class Server:
         return self.process.pid if self.process is not None else None
 
     def start(self, timeout_s: float) -> None:
-        command = [*self.command, "--port", str(self.port)]
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (``wait_ready`` then waits for it: several servers can start at once)."""
+        command = [*self.command, self.port_option, str(self.port)]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -159,13 +177,24 @@ class Server:
 
 @contextlib.contextmanager
 def running(server: Server, timeout_s: float) -> Iterator[Server]:
-    started = time.perf_counter()
-    server.start(timeout_s)
-    print(f"  {server.name}: ready on {server.url} after {time.perf_counter() - started:.1f} s", flush=True)
-    try:
+    with running_together([server], timeout_s):
         yield server
+
+
+@contextlib.contextmanager
+def running_together(servers: Sequence[Server], timeout_s: float) -> Iterator[Sequence[Server]]:
+    """Start the servers at once (their warm-ups overlap), wait until each is ready, stop them all at the end."""
+    started = time.perf_counter()
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready(max(1.0, timeout_s - (time.perf_counter() - started)))
+            print(f"  {server.name}: ready on {server.url} after {time.perf_counter() - started:.1f} s", flush=True)
+        yield servers
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 def service_server(
@@ -191,6 +220,41 @@ def naive_server(model_path: Path, device: str, logs: Path) -> Server:
     command = [sys.executable, str(ROOT / "bench" / "naive_server.py"), str(model_path), "--device", device]
     command += ["--name", DEMO_MODEL]
     return Server("naive", command, dict(os.environ), "/health", logs / "naive.log")
+
+
+def served_batching(model_dir: Path, name: str, device: str) -> tuple[int, float]:
+    """Our batcher's largest batch and queue delay (s) for the stored model: its config over the server's
+    defaults, as the registry resolves them."""
+    from service.model_config import ModelConfig
+    from service.settings import ServiceSettings
+
+    _, meta = served_model(model_dir, name)
+    effective = ModelConfig.from_dict(meta.get("config")).effective(ServiceSettings(device=device))
+    return effective.max_batch_size, effective.max_delay_s
+
+
+def triton_server(model_dir: Path, device: str, logs: Path, work: Path, metadata: dict[str, Any]) -> Server:
+    """Triton's own server (the nvidia-pytriton wheel's binary) with a Python-backend model that runs our stored
+    engine (bench/triton_repository.py, bench/triton_model.py), the served model's KServe V2 ``metadata``, and our
+    batcher's max batch and queue delay in Triton's dynamic batcher."""
+    install = triton_repository.TritonInstall.find()
+    if install is None:
+        raise RuntimeError("the triton server needs the nvidia-pytriton wheel (the bench extra; bench/README.md): "
+                           "pip install --no-deps 'nvidia-pytriton>=0.7'")
+    max_batch, delay_s = served_batching(model_dir, DEMO_MODEL, device)
+    params = {"model_dir": str(model_dir), "model_name": DEMO_MODEL, "device": device,
+              "python_path": triton_repository.python_path(ROOT)}
+    repository = work / "triton-models"
+    triton_repository.write_repository(repository, DEMO_MODEL, metadata["inputs"], metadata["outputs"],
+                                       max_batch_size=max_batch, max_queue_delay_us=round(delay_s * 1e6),
+                                       parameters=params)
+    backends = triton_repository.backend_directory(install, work / "triton-backends")
+    grpc_port, metrics_port = free_port(), free_port()
+    command = triton_repository.triton_command(install, repository, backends, grpc_port=grpc_port,
+                                               metrics_port=metrics_port)
+    env = triton_repository.triton_env(install, os.environ)
+    return Server("triton", command, env, "/v2/health/ready", logs / "triton.log", grpc_port=grpc_port,
+                  port_option="--http-port", metrics_port=metrics_port, metrics_dialect="triton")
 
 
 def ceiling_server(reply_floats: int, logs: Path) -> Server:
@@ -254,14 +318,14 @@ GRPC_STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 def grpc_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int,
                  series: str) -> Payload:
-    """A serialized ``ModelInferRequest``, the input in ``raw_input_contents`` (what tritonclient.grpc sends);
-    ``path`` is the RPC's method name."""
+    """A serialized ``ModelInferRequest``, the input in ``raw_input_contents`` in the sample's own datatype (what
+    tritonclient.grpc sends; the same bytes as the REST binary body); ``path`` is the RPC's method name."""
     from tritonclient.grpc import service_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=model)
-    request.inputs.add(name=input_name, datatype="FP32", shape=sample.shape)
+    request.inputs.add(name=input_name, datatype=_DATATYPES[sample.dtype.str], shape=sample.shape)
     request.outputs.add(name=output_name)
-    request.raw_input_contents.append(sample.astype("<f4").tobytes())
+    request.raw_input_contents.append(sample.tobytes())
     path = GRPC_STREAM if series == "grpc_stream" else GRPC_INFER
     return Payload(series, path, request.SerializeToString(), {}, sample.shape[0], output_name, out_count)
 
