@@ -122,7 +122,8 @@ def model_config(
 ) -> str:
     """config.pbtxt of a Python-backend model with Triton's dynamic batcher, one instance (our server runs one
     engine call at a time per model and process), inputs and outputs as KServe V2 metadata lists them
-    (``{"name", "datatype", "shape"}``, the shape with its batch dim first)."""
+    (``{"name", "datatype", "shape"}``, the shape with its batch dim first). The instance is KIND_CPU on a GPU
+    too: Triton hands the stub host tensors and our engine copies them to the device itself, as in our server."""
     for spec in (*inputs, *outputs):
         if not spec["shape"] or int(spec["shape"][0]) != -1:
             raise ValueError(f"tensor {spec['name']!r} has no batch dimension: Triton's batcher cannot batch it")
