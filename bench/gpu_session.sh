@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
 #   bench/gpu_session.sh PART [PART...]
-# PART: check | tests | fused | cold | coldwarm | coldfresh | engine | service | all
+# PART: check | triton | tests | fused | cold | coldwarm | coldfresh | engine | service | all
 #   check       nvidia-smi, versions, httptools
+#   triton      installs Triton's server (.gpu/triton/nvidia_pytriton-*.whl, staged by bench/stage_triton.sh and
+#               carried in a call of its own: the script's header says how) into /tmp/site once, and checks that
+#               the Python backend's stub for python3 finds its libraries (libpython among them)
 #   tests       pytest tests/gpu
 #   fused       bench/fused_ops.py (the fused CUDA operators: build, check, model timing; FUSED_PHASES)
 #   cold        bench/coldstart.py --store both: COLD_RUNS warm-store starts (COLD_PARALLEL at once), then
@@ -10,7 +13,9 @@
 #               COLD_DEADLINE_S, and the file is rewritten after every start (COLD_ENV: extra --env SERVICE_X=Y)
 #   coldwarm    the warm-store half of cold alone; coldfresh the fresh-store half alone
 #   engine      bench/engine.py (ENGINE_ARGS)
-#   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS)
+#   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS, ROUNDS); SERVERS defaults to
+#               client_ceiling,service,service_workers, plus triton where the triton part installed it (then
+#               Triton and our servers run side by side in ROUNDS alternating rounds: e.g. SERIES=binary,grpc)
 # Parts run in the order given. Everything lands under $OUT/session and is packed into $OUT/session.tgz at
 # the end (the device tool brings back at most 8 files). Export GIT_COMMIT=<commit> (git there would name an
 # unrelated checkout).
@@ -48,6 +53,23 @@ for part in "${@:-all}"; do
       nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$S/gpu.txt"
       python3 -c 'import onnxruntime as o, httptools, sys; print(sys.version.split()[0], o.__version__, o.get_available_providers())' \
         2>&1 | tee -a "$S/gpu.txt" ;;&
+    triton)
+      if ls .gpu/triton/nvidia_pytriton-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/pytriton ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/triton/nvidia_pytriton-*.whl
+      fi
+      python3 - <<'PY' 2>&1 | tee "$S/triton.txt"
+import os, subprocess, sys, sysconfig
+sys.path.insert(0, ".")
+from bench.triton_repository import TritonInstall, triton_env
+install = TritonInstall.find()
+if install is None:
+    sys.exit("no nvidia-pytriton wheel with a stub for this python: stage it (bench/stage_triton.sh)")
+env = triton_env(install, os.environ)
+libs = subprocess.run(["ldd", str(install.stub())], env=env, capture_output=True, text=True).stdout
+print("stub", install.stub(), "libpython dir", sysconfig.get_config_var("LIBDIR"))
+print("\n".join(line for line in libs.splitlines() if "python" in line or "not found" in line))
+PY
+      ;;
     tests|all)
       run gpu-tests "${TESTS_TIMEOUT_S:-300}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
     fused|all)
@@ -72,10 +94,13 @@ for part in "${@:-all}"; do
       run engine "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
         --out-dir "$S" ${ENGINE_ARGS:-} ;;&
     service|all)
+      servers=client_ceiling,service,service_workers
+      python3 -c 'import sys; sys.path.insert(0, "."); from bench.triton_repository import TritonInstall as T
+sys.exit(T.find() is None)' 2>/dev/null && servers=$servers,triton
       run service "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
-        --servers "${SERVERS:-client_ceiling,service,service_workers}" --workers "${WORKERS:-4}" \
+        --servers "${SERVERS:-$servers}" --workers "${WORKERS:-4}" --rounds "${ROUNDS:-2}" \
         --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$S/service-cuda.json" ;;&
-    check|tests|fused|cold|coldwarm|coldfresh|engine|service|all) ;;
+    check|triton|tests|fused|cold|coldwarm|coldfresh|engine|service|all) ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done
