@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -91,8 +92,11 @@ def check_reply(status: int, headers: Any, body: bytes, want_shape: list[int]) -
     return True, "answered"
 
 
-def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_timeout_s: float) -> dict[str, Any]:
-    """Start a server on ``store``, wait for ready, send one request, stop it; the outcome and its timings."""
+def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_timeout_s: float,
+             settle_s: float = 0.0) -> dict[str, Any]:
+    """Start a server on ``store``, wait for ready, send one request, stop it; the outcome and its timings.
+    ``settle_s``: before stopping, wait up to that long for the cuDNN search comparison the server runs once the
+    model serves (``registry.search_later``) to store its verdict, as a server that keeps running would."""
     port = free_port()
     log_path = logs / f"run-{index:03d}.log"
     started = time.monotonic()
@@ -107,6 +111,8 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
         if outcome.get("ready_s") is not None:
             ok, what = one_request(url)
             outcome.update(ok=ok, result=what, answered_s=round(time.monotonic() - started, 2))
+            if ok and settle_s > 0:
+                outcome["search_verdict"] = _wait_search_verdict(store, settle_s)
     except Exception as exc:  # the harness records every failure; it never stops at one
         outcome["result"] = f"{type(exc).__name__}: {exc}"
     if not outcome["ok"] and proc.poll() is None:
@@ -122,6 +128,23 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
     else:
         log_path.unlink(missing_ok=True)
     return outcome
+
+
+def _wait_search_verdict(store: Path, timeout_s: float) -> dict[str, Any]:
+    """Until no stored engine record's cuDNN search entry is pending, or ``timeout_s``."""
+    started = time.monotonic()
+    entries: list[Any] = []
+    while time.monotonic() - started < timeout_s:
+        entries = []
+        for path in store.glob("*/*/metadata.json"):
+            with contextlib.suppress(OSError, ValueError):
+                entries.append((json.loads(path.read_text()).get("engine") or {}).get("cudnn_conv_algo_search"))
+        if entries and not any(isinstance(e, dict) and e.get("pending") for e in entries):
+            break  # every search compared (or none to compare: the CPU)
+        time.sleep(1.0)
+    return {"waited_s": round(time.monotonic() - started, 1),
+            "entries": [{k: e.get(k) for k in ("choice", "measured", "reason")} if isinstance(e, dict) else e
+                        for e in entries]}
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str, started: float, timeout_s: float) -> dict[str, Any]:
@@ -172,7 +195,7 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, env: dict[str, st
     template = None
     if kind == "warm":
         template = work / "template"
-        prepared = run_once(-1, template, logs, env, args.ready_timeout_s)
+        prepared = run_once(-1, template, logs, env, args.ready_timeout_s, settle_s=args.settle_s)
         section["prepared"] = prepared
         print(f"prepared the warm store: {prepared.get('result')} after {prepared.get('ready_s')} s", flush=True)
         if not prepared["ok"]:
@@ -213,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="SERVICE_X=Y for every server (repeatable)")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     parser.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument("--settle-s", type=float, default=180.0,
+                        help="the warm store's preparing server waits up to this long for its cuDNN search verdict")
     parser.add_argument("--logs", type=Path, help="where failing runs' logs stay (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/coldstart-<date>.json)")
     args = parser.parse_args(argv)
