@@ -121,6 +121,9 @@ class Server:
     """Where /metrics is served when not on the HTTP port (Triton's metrics port)."""
     metrics_dialect: str = "service"
     """Whose /metrics: ``service`` (ours: batch-size histograms, request/queue/compute seconds) or ``triton``."""
+    settled_line: str | None = None
+    """A log line the server writes once it serves at full speed (ours on CUDA: every bucket warm, which its
+    engine thread does after ready, ``runtime.warming``); ``wait_ready`` waits for it too."""
 
     @property
     def url(self) -> str:
@@ -158,10 +161,22 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    self._wait_settled(deadline)
                     return
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _wait_settled(self, deadline: float) -> None:
+        """Until ``settled_line`` is in the log (at most 90 s after ready: then it is measured as it is)."""
+        limit = min(deadline, time.monotonic() + 90.0)
+        while self.settled_line is not None and time.monotonic() < limit:
+            with contextlib.suppress(OSError):
+                if self.settled_line in self.log_path.read_text(errors="replace"):
+                    return
+            time.sleep(0.25)
+        if self.settled_line is not None:
+            print(f"{self.name}: no '{self.settled_line}' in its log within 90 s of ready", flush=True)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -210,15 +225,17 @@ def service_server(
     base = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
     device_variable = "SERVICE_DEVICE" if (tree / "service" / "runtime" / "contract.py").exists() else \
         "SERVICE_ENGINE__DEVICE"
+    cuda = device == "cuda"  # its engine warms the buckets after ready: its info line says when (runtime.warming)
     base.update(
-        {"SERVICE_DEMO_MODEL": "true", device_variable: device, "SERVICE_LOG_LEVEL": "warning",
+        {"SERVICE_DEMO_MODEL": "true", device_variable: device, "SERVICE_LOG_LEVEL": "info" if cuda else "warning",
          "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
     )
     grpc_port = free_port()
     base["SERVICE_GRPC_PORT"] = str(grpc_port)  # a tree without gRPC ignores it
     base.update(env)  # the caller's settings win
     command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--model-dir", str(model_dir)]
-    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log", cwd=tree, grpc_port=grpc_port)
+    return Server(name, command, base, "/v2/health/ready", logs / f"{name}.log", cwd=tree, grpc_port=grpc_port,
+                  settled_line="warmed while serving" if cuda else None)
 
 
 def naive_server(model_path: Path, device: str, logs: Path) -> Server:

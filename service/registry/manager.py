@@ -402,6 +402,7 @@ class ModelManager:
             activating = time.perf_counter()
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
+            threads.warm_while_serving(loaded.engine)
             if search_pending(loaded.record):
                 self._searches.schedule(mv, request, loaded.record)
         except BaseException:

@@ -442,6 +442,14 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WarmsWhileServing(Protocol):
+    """An engine that warms its first bucket at load and the others on its serving thread, one per
+    ``warm_next`` call (True while more are left), between batches (``runtime.warming``)."""
+
+    def warm_next(self) -> bool: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadRequest:
     """A model version's engine: its optimized variants (variant name -> file path), options, precision,
@@ -486,7 +494,22 @@ class EngineLoader(Protocol):
 
 
 __all__ = [
-    "KSERVE_TO_NUMPY", "MAX_FIXED_ELEMENTS", "NUMPY_TO_KSERVE", "ONNX_TO_NUMPY", "Engine", "EngineLoader",
-    "EngineOptions", "InferenceRequest", "LoadRequest", "LoadedEngine", "PageLocker", "Signature", "TensorSpec",
-    "datatype_of", "random_feeds", "shape_text", "stored_record",
+    "KSERVE_TO_NUMPY",
+    "MAX_FIXED_ELEMENTS",
+    "NUMPY_TO_KSERVE",
+    "ONNX_TO_NUMPY",
+    "Engine",
+    "EngineLoader",
+    "EngineOptions",
+    "InferenceRequest",
+    "LoadRequest",
+    "LoadedEngine",
+    "PageLocker",
+    "Signature",
+    "TensorSpec",
+    "WarmsWhileServing",
+    "datatype_of",
+    "random_feeds",
+    "shape_text",
+    "stored_record",
 ]

@@ -2,18 +2,19 @@
 
 Why it looks like this: at batch 1 a CNN's GPU time is mostly launch overhead, so on CUDA every batch-size
 bucket (default 1, 2, 4, ..., 64) gets preallocated device buffers bound once (IO binding) and its own
-captured CUDA graph (``gpu_graph_id``); a batch of n samples goes into the smallest bucket >= n, each part's
-rows copied straight to their rows of the device buffer, the graph is replayed, and the first n output rows
-are copied back. Every bucket is run (and so captured) before ``load()`` returns, because cuDNN's search for
-a new shape and the capture cost hundreds of milliseconds per shape. On the CPU provider IO binding brings nothing:
-the session runs numpy arrays directly, the buckets only cap the rows per call.
+captured CUDA graph (``gpu_graph_id``); a batch of n samples goes into the smallest warm bucket >= n, each
+part's rows copied straight to their rows of the device buffer, the graph is replayed, and the first n output
+rows are copied back. A bucket's first run (cuDNN's plans for a new shape) and capture cost seconds, so
+``load()`` warms the smallest bucket and the serving thread the others, one at a time (``runtime.warming``).
+On the CPU provider IO binding brings nothing: the session runs numpy arrays directly, the buckets only cap the
+rows per call.
 
 Invariants: one thread at a time calls ``run_parts`` (a second concurrent caller gets an EngineError rather
 than corrupting the shared device buffers). Inputs come checked against the model's ``Signature`` (an
 ``InferenceRequest``); the engine re-checks only what keeps device memory safe (names, dtypes, sample shapes,
 rows within the bucket). ORT's CUDA EP keeps captured CUDA graphs (and cuDNN handles) per calling thread, so
 an engine is built, warmed and served by ONE thread (the registry's ``runtime.engine_thread.EngineThreads``,
-the engine process's serving thread): each bucket is warmed exactly once, by ``load()``, on that thread. A
+the engine process's serving thread): each bucket is warmed exactly once, on that thread. A
 call from any other thread still works (its graphs are captured first, at the cost of a second warm-up), but
 it is logged as a warning: the server never does it. Captures and every other CUDA call of this process's
 engines are kept apart by ``device.CUDA_LOCK``, so several engines can share a GPU. How the session is built
@@ -38,26 +39,21 @@ from service.runtime.batching import concatenated, padded
 from service.runtime.buckets import (
     Bucket,
     RowCopier,
-    bind,
-    check_replay,
     copy_through_staging,
     preallocatable,
     read_outputs,
-    run_options,
 )
 from service.runtime.contract import EngineOptions, PageLocker, Signature, random_feeds
 from service.runtime.device import CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime
 from service.runtime.engine_loading import Variant, load_engine
 from service.runtime.sessions import CUDA_INTRA_OP_THREADS
+from service.runtime.warming import BucketWarming, WarmBuckets
 
 logger = logging.getLogger(__name__)
 
-WARMUP_RUNS = 4
-"""ORT's CUDA EP runs a graph id regularly (min_num_runs_before_cuda_graph_capture_: 1 or 2 by version) before
-it captures; the capture run also replays. 4 runs = regular, regular-or-capture, capture-or-replay, replay."""
 
 
-class OrtEngine:
+class OrtEngine(BucketWarming):
     """One ONNX Runtime session with IO binding per bucket (and one CUDA graph per bucket on CUDA)."""
 
     max_concurrent_calls = 1
@@ -87,12 +83,13 @@ class OrtEngine:
         self._batched = frozenset(spec.name for spec in self.signature.outputs if spec.batched)
         self._io_device = ("cuda", choice.device_id) if choice.is_cuda else ("cpu", 0)
         self._bound: dict[int, Bucket] = {}
+        self._warmth = WarmBuckets(buckets)
         self._output_names = [o.name for o in self.signature.outputs]
         self._signature_rows = self.signature.rows_of
         self._replay_feeds: dict[int, dict[str, np.ndarray]] = {}
         self._lock: CaptureLock | NoLock = CUDA_LOCK if choice.is_cuda else NoLock()
         self._ready_threads: set[int] = set()  # threads whose ORT per-thread context holds our graphs
-        self.home_thread: int | None = None  # the thread that warmed every bucket (and so serves them)
+        self.home_thread: int | None = None  # the thread that warms the buckets (and so serves them)
         self._guard = threading.Lock()
         self._closed = False
         self._last_s: float | None = None
@@ -115,7 +112,8 @@ class OrtEngine:
         openvino: str | None = None,
         _io_binding_on_cpu: bool = False,
     ) -> OrtEngine:
-        """Build the session, bind every bucket and warm it (capturing its CUDA graphs) before returning.
+        """Build the session and warm its first bucket (capturing its CUDA graph) before returning; the others
+        warm on the serving thread (``warm_next``, ``runtime.warming``).
 
         ``prefer_nhwc`` None: NHWC unless the graph has FusedConv (no NHWC kernel: it adds transposes).
         ``openvino`` (on the CPU): run the graph on the OpenVINO EP in that precision ("fp32", "bf16").
@@ -123,74 +121,6 @@ class OrtEngine:
         """
         return load_engine(model, options, warmed=_warmed, prefer_nhwc=prefer_nhwc, fuse_conv_bias=fuse_conv_bias,
                            variant=variant, openvino=openvino, io_binding_on_cpu=_io_binding_on_cpu)
-
-    def _warm(self) -> None:
-        """Bind and run every bucket (CUDA: capture its graph and check a replay against a plain run), on the
-        calling thread, which becomes the engine's home thread."""
-        rng = np.random.default_rng(0)
-        self.home_thread = threading.get_ident()
-        if not self._io_binding:  # numpy path: nothing is per-shape; one run faults the weights in
-            started = time.perf_counter()
-            try:
-                self._session.run(self._output_names, random_feeds(self.signature.inputs, self.buckets[0], rng))
-            except Exception as exc:
-                raise EngineError(f"warm-up failed on {self.provider}: {first_line(exc)}") from exc
-            self.warm_s[self.buckets[0]] = time.perf_counter() - started
-            return
-        for index, size in enumerate(self.buckets):
-            started = time.perf_counter()
-            self._lock.acquire_shared()
-            try:
-                self._bound[size] = self._bind(size, index + 1 if self._built.cuda_graph else None)
-            finally:
-                self._lock.release_shared()
-            plain, replay = self._warm_bucket(self._bound[size], random_feeds(self.signature.inputs, size, rng))
-            if self._built.cuda_graph:
-                check_replay(plain, replay, size)
-            self.warm_s[size] = time.perf_counter() - started
-        self._ready_threads.add(self.home_thread)
-
-    def _warm_bucket(
-        self, bucket: Bucket, feeds: Mapping[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """First run shared (it holds the slow cuDNN search), the runs that may capture exclusive."""
-        first = self._run_bucket(bucket, [feeds], [bucket.size])
-        last = first
-        if not self._built.cuda_graph:
-            return first, last
-        self._lock.acquire_exclusive()
-        try:
-            for _ in range(WARMUP_RUNS - 1):
-                last = self._run_bucket(bucket, [feeds], [bucket.size], locked=True)
-        finally:
-            self._lock.release_exclusive()
-        return first, last
-
-    def _ready_this_thread(self) -> None:
-        """ORT keeps CUDA graphs per thread: a thread other than the home thread captures its own first. That
-        is a second warm-up of every bucket, so it is logged; the server calls an engine from its home only."""
-        ident = threading.get_ident()
-        if not self._built.cuda_graph or ident in self._ready_threads:
-            return
-        logger.warning("engine %s: called from thread %s (%d), not the thread that warmed it: capturing its "
-                       "CUDA graphs for this thread too (a second warm-up of every bucket)", self.variant,
-                       threading.current_thread().name, ident)
-        rng = np.random.default_rng(0)
-        for size, bucket in self._bound.items():
-            self._warm_bucket(bucket, random_feeds(self.signature.inputs, size, rng))
-        self._ready_threads.add(ident)
-
-    def _bind(self, size: int, graph_id: int | None) -> Bucket:
-        return bind(self._session, self.signature, size, graph_id, self._output_shapes(size), self._io_device)
-
-    def _output_shapes(self, size: int) -> list[tuple[int, ...]]:
-        """Output shapes for a bucket: from the declared shapes, else from one plain (uncaptured) run."""
-        declared = [spec.shape for spec in self.signature.outputs]
-        if all(all(d is not None for d in shape[1:]) for shape in declared):
-            return [(size if shape[0] is None else shape[0], *shape[1:]) for shape in declared]  # type: ignore[misc]
-        probe = run_options(-1 if self._built.cuda_graph else None)  # -1: run without capturing
-        results = self._session.run(self._output_names, random_feeds(self.signature.inputs, size), probe)
-        return [tuple(r.shape) for r in results]
 
     # ------------------------------------------------------------------------------------ running
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -216,7 +146,7 @@ class OrtEngine:
             if whole and self.signature.fixed_batch and total != self.max_batch_size:
                 raise EngineError(f"internal error: {total} rows for a model that runs exactly its batch of "
                                   f"{self.max_batch_size} (not every output carries the batch)")
-            if total > self.max_batch_size and not whole:
+            if total > self._largest_call() and not whole:
                 outputs = self._run_chunked(parts, total)
             else:
                 outputs = self._run_fitting(parts, sizes, total)
@@ -249,7 +179,7 @@ class OrtEngine:
 
     def _run_chunked(self, parts: Sequence[Mapping[str, np.ndarray]], total: int) -> dict[str, np.ndarray]:
         feeds = parts[0] if len(parts) == 1 else concatenated(parts)
-        step = self.max_batch_size
+        step = self._largest_call()
         chunks = []
         for start in range(0, total, step):
             rows = min(step, total - start)
@@ -313,18 +243,23 @@ class OrtEngine:
         return self._built.cuda_graph
 
     def bucket_for(self, n: int) -> int:
-        """The smallest bucket >= n (n <= max_batch_size)."""
-        for size in self.buckets:
-            if size >= n:
-                return size
-        return self.max_batch_size
+        """The smallest warm bucket >= n (``runtime.warming``: until every bucket is warm, the largest warm one
+        for more rows, and the batch is chunked)."""
+        if self._io_binding:
+            return self._warmth.for_rows(n)
+        return next((size for size in self.buckets if size >= n), self.max_batch_size)
+
+    def _largest_call(self) -> int:
+        """The most rows one run takes now: the largest warm bucket."""
+        return self._warmth.largest if self._io_binding else self.max_batch_size
 
     def replay(self, batch: int) -> None:
         """Run the bucket for ``batch`` on whatever its buffers hold, with no host copies (the tuner times it).
 
         On CUDA with IO binding this is the bare graph replay; elsewhere it runs cached random inputs. Like
         run_parts, one thread at a time."""
-        size = self.bucket_for(batch)
+        size = self.buckets[-1] if batch > self.buckets[-1] else next(s for s in self.buckets if s >= batch)
+        self._ensure_warm(size)
         self._ready_this_thread()
         self._lock.acquire_shared()
         try:
@@ -343,7 +278,9 @@ class OrtEngine:
     def fill(self, batch: int) -> None:
         """Put random inputs into the buffers of ``batch``'s bucket (before timing ``replay``)."""
         if self._io_binding:
-            bucket = self._bound[self.bucket_for(batch)]
+            size = self.buckets[-1] if batch > self.buckets[-1] else next(s for s in self.buckets if s >= batch)
+            self._ensure_warm(size)
+            bucket = self._bound[size]
             feeds = random_feeds(self.signature.inputs, bucket.size, np.random.default_rng(1))
             self._run_bucket(bucket, [feeds], [bucket.size])
 
@@ -373,7 +310,7 @@ class OrtEngine:
 
 
 def _warmed(session: ort.InferenceSession, model: onnx.ModelProto, **kwargs: Any) -> OrtEngine:
-    """The engine around ``session``, every bucket warmed on the calling thread (closed if that fails)."""
+    """The engine around ``session``, its first bucket warmed on the calling thread (closed if that fails)."""
     engine = OrtEngine(session, model, **kwargs)
     try:
         engine._warm()
@@ -410,4 +347,5 @@ def _description(engine: OrtEngine, choice: DeviceChoice, built: Variant, option
         "load_s": round(engine.load_s, 3),
         "session_s": round(engine.session_s, 3),
         "warm_s": {size: round(seconds, 3) for size, seconds in engine.warm_s.items()},
+        "warm_buckets": list(engine._warmth.warm),
     }

@@ -2,7 +2,8 @@
 the log line that says how long each step took.
 
 ``load_engine`` is ``OrtEngine.load``'s body; the engine class hands in ``warmed``, the function that wraps a
-session in an engine and warms every bucket on the calling thread (so this module needs no engine import).
+session in an engine and warms its first bucket on the calling thread (so this module needs no engine import;
+the others warm while it serves: ``runtime.warming``).
 On CUDA a graph session that cannot be captured falls back to a graphless one, logged. The time to build the
 session(s) and the time to warm each bucket are kept on the engine (``session_s``, ``warm_s``) for the load's
 phase log (``runtime.phases``).
@@ -48,7 +49,7 @@ class Variant:
 E = TypeVar("E")
 """The engine class ``warmed`` makes (``OrtEngine``)."""
 Warmed = Callable[..., E]
-"""``warmed(session, model, *, choice, options, buckets, variant, io_binding=None)``: the engine, every bucket
+"""``warmed(session, model, *, choice, options, buckets, variant, io_binding=None)``: the engine, its first bucket
 warmed on the calling thread (closed again if the warm-up fails)."""
 
 
@@ -73,7 +74,7 @@ def load_engine(
     io_binding_on_cpu: bool,
     openvino: str | None = None,
 ) -> E:
-    """``OrtEngine.load``: the device, the session (with CUDA graphs when they work), every bucket warmed."""
+    """``OrtEngine.load``: the device, the session (with CUDA graphs when they work), the first bucket warmed."""
     started = time.perf_counter()
     proto, data = proto_and_bytes(model)
     buckets = engine_buckets(options.buckets, Signature.from_onnx(proto).inputs)

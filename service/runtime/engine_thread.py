@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from service.runtime.contract import WarmsWhileServing
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -58,6 +63,23 @@ class EngineThreads:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``submit`` and await the result from the event loop."""
         return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def warm_while_serving(self, engine: Any) -> None:
+        """Warm ``engine``'s other buckets on its thread, one per turn, between the calls submitted meanwhile
+        (``contract.WarmsWhileServing``); a failure is logged and leaves the bucket out."""
+
+        def step() -> None:
+            try:
+                more = engine.warm_next()
+            except Exception:
+                log.exception("engine %s: warming a bucket while serving failed; it stays out", self.name)
+                more = False
+            if more and not self._closed:
+                with contextlib.suppress(RuntimeError):  # shut down meanwhile
+                    self.submit(step)
+
+        if isinstance(engine, WarmsWhileServing) and not self._closed:
+            self.submit(step)
 
     def shutdown(self) -> None:
         """No new work; what was submitted still runs (the thread ends after it). Idempotent."""

@@ -62,6 +62,10 @@ class SplitEngine:
     def last_engine_seconds(self) -> float | None:
         return self._last.last_engine_seconds()
 
+    def warm_next(self) -> bool:
+        """The primary's buckets first, then the large engine's (``runtime.warming``)."""
+        return self.primary.warm_next() or self.large.warm_next()
+
     def replay(self, batch: int) -> None:
         self.engine_for(batch).replay(batch)
 

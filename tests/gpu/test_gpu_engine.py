@@ -140,6 +140,12 @@ def test_a_page_locked_shared_buffer_feeds_the_engine(tiny_engine: OrtEngine, ti
 def test_outputs_equal_cpu_for_every_bucket_and_odd_sizes(name: str, tiny: onnx.ModelProto) -> None:
     model = tiny if name == "tiny" else zoo_model(name)
     with OrtEngine.load(model, SETTINGS, variant=name) as engine:
+        assert engine.describe()["warm_buckets"] == [1]  # the others warm while it serves (runtime.warming)
+        for seed, n in enumerate([3, 33]):  # in chunks of the one warm bucket
+            assert_matches_cpu(engine, model, n, seed)
+        while engine.warm_next():  # later captures beside graphs already replayed
+            assert_matches_cpu(engine, model, 5, 99)
+        assert engine.describe()["warm_buckets"] == list(engine.buckets)
         for seed, n in enumerate([*engine.buckets, 3, 33, 70]):  # 70: chunked above the largest bucket
             assert_matches_cpu(engine, model, n, seed)
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from service.errors import EngineError
 from service.runtime.batching import group_consecutive, shape_key, split_rows
-from service.runtime.contract import Engine, LoadedEngine, LoadRequest, PageLocker
+from service.runtime.contract import Engine, LoadedEngine, LoadRequest, PageLocker, WarmsWhileServing
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
@@ -219,6 +219,7 @@ class HostedEngine:
             self.record, self.phases = loaded.record, loaded.phases
             self.merge_limit = self.engine.signature.samples_per_call(self._request.batch_limit,
                                                                       self.engine.max_batch_size)
+            self._warming = isinstance(self.engine, WarmsWhileServing)
         except BaseException as exc:
             self._loaded.set_exception(exc)
             os.close(self._wake_read)
@@ -260,7 +261,10 @@ class HostedEngine:
 
     def _serve_once(self, clients: dict[Any, _Client]) -> None:
         """Wait until some connection is readable (or a wake-up), read every batch that waits, run, answer."""
-        ready = [key.data for key, _ in self._selector.select()]
+        ready = [key.data for key, _ in self._selector.select(0 if self._warming else None)]
+        if not ready and self._warming:  # idle: warm one more bucket (runtime.warming)
+            self._warming = self._warm_step()
+            return
         jobs = [job for client in ready if client is not None for job in self._read(clients, client)]
         if None in ready:  # the wake-up pipe
             os.read(self._wake_read, 4096)
@@ -275,6 +279,14 @@ class HostedEngine:
                     job.client.fail(outcome)
                 else:
                     job.client.reply(outcome, engine_s)
+
+    def _warm_step(self) -> bool:
+        """One more bucket warmed on this (the serving) thread; False once none is left or it failed."""
+        try:
+            return bool(self.engine.warm_next())  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("engine process: warming a bucket of %s failed; it stays out", self.label or self.key)
+            return False
 
     def _read(self, clients: dict[Any, _Client], client: _Client) -> list[_Job]:
         """The batch this connection sent (an empty list for a close, a departure or a refused layout)."""

@@ -9,6 +9,7 @@ real CUDA provider is covered by tests/gpu. The user-facing request checks live 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -71,12 +72,19 @@ def model() -> onnx.ModelProto:
 
 @pytest.fixture(scope="module", params=["numpy", "bound", "rows"])
 def engine(request: pytest.FixtureRequest, model: onnx.ModelProto) -> OrtEngine:
-    eng = OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=request.param != "numpy")
+    eng = warmed_up(OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=request.param != "numpy"))
     if request.param == "rows":
         with_row_copies(eng)
     assert eng.host_to_device == {"numpy": "feeds", "bound": "bucket", "rows": "rows"}[request.param]
     yield eng
     eng.close()
+
+
+def warmed_up(engine: OrtEngine) -> OrtEngine:
+    """Every bucket warm, as the serving thread leaves it (``runtime.warming``)."""
+    while engine.warm_next():
+        pass
+    return engine
 
 
 def images(n: int, seed: int = 1) -> np.ndarray:
@@ -372,7 +380,7 @@ def test_run_from_another_thread(engine: OrtEngine, model: onnx.ModelProto) -> N
 def test_row_copies_move_only_the_requests_rows(model: onnx.ModelProto) -> None:
     """Each part's rows go to their place in the bucket: 2 + 3 rows into bucket 8 are 5 rows of bytes in two
     copies, back to back from the buffer's start, one wait per call, the device set once per thread."""
-    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True) as eng:
+    with warmed_up(OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True)) as eng:
         fake = with_row_copies(eng)
         assert eng.host_to_device == "rows" == eng.describe()["host_to_device"]
         parts = [{"x": images(2, seed=30)}, {"x": images(3, seed=31)}]
@@ -409,7 +417,7 @@ def test_page_locker_is_the_engines_only_where_it_copies_rows_itself(
 
 def test_row_copies_never_write_past_the_bucket(model: onnx.ModelProto) -> None:
     """Rows beyond a bucket are refused before the first copy, whatever the caller did."""
-    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True) as eng:
+    with warmed_up(OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True)) as eng:
         fake = with_row_copies(eng)
         with pytest.raises(EngineError, match="5 rows for a bucket of 4"):
             eng._run_bucket(eng._bound[4], [{"x": images(3)}, {"x": images(2)}], [3, 2])
@@ -447,3 +455,47 @@ def test_a_failed_page_unlock_is_logged_not_raised(model: onnx.ModelProto, caplo
         with caplog.at_level(logging.WARNING, logger="service.runtime.buckets"):
             locker.page_unlock(4096)
         assert "could not unlock" in caplog.text and "invalid argument" in caplog.text
+
+
+def test_load_warms_the_smallest_bucket_and_the_serving_thread_the_others(model: onnx.ModelProto) -> None:
+    """``runtime.warming``: ready after one bucket; until a bucket is warm its batches run in chunks of the
+    largest warm one, equal all the same; ``warm_next`` warms the rest in ascending order, each once."""
+    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        assert eng.describe()["warm_buckets"] == [1] and list(eng.warm_s) == [1] and list(eng._bound) == [1]
+        assert [eng.bucket_for(n) for n in (1, 2, 5, 8)] == [1, 1, 1, 1]
+        x = images(5, seed=40)
+        np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+        order = []
+        while True:
+            more = eng.warm_next()
+            order.append(list(eng.describe()["warm_buckets"]))
+            if not more:
+                break
+        assert order == [[1, 2], [1, 2, 4], [1, 2, 4, 8]] and eng.warm_next() is False
+        assert [eng.bucket_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+        np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bucket_whose_replay_disagrees_is_left_out(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later bucket that fails its replay check is never used: batches go to the warm ones around it."""
+    from service.runtime import warming
+    from service.runtime.buckets import GraphUnusable
+
+    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        real = warming.check_replay
+
+        def flaky(plain, replay, size):
+            if size == 4:
+                raise GraphUnusable("graph replay of bucket 4 differs from a plain run")
+            return real(plain, replay, size)
+
+        monkeypatch.setattr(warming, "check_replay", flaky)
+        eng._built = dataclasses.replace(eng._built, cuda_graph=True)  # the replay check runs as on CUDA
+        eng._ready_threads.add(threading.get_ident())
+        while eng.warm_next():
+            pass
+        assert eng.describe()["warm_buckets"] == [1, 2, 8] and 4 not in eng._bound
+        assert [eng.bucket_for(n) for n in (3, 4, 5)] == [8, 8, 8]
+        eng._built = dataclasses.replace(eng._built, cuda_graph=False)
+        x = images(3, seed=41)
+        np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
