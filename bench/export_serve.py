@@ -9,8 +9,9 @@ from its ``listening on`` line, as ``tests/helpers/live_server.py`` does), a scr
 ``python bench/export_serve.py URL NAME EXPORT`` (the project's venv; the token in ``SWEEP_ADMIN_TOKEN``)
 checks one export and prints one JSON object:
 
-1. the upload (raw body, admin token) is timed wall-clock: its status, time, the refusal's message, or
-   the served variant's report (nodes, ops left, verification);
+1. the upload (raw body, admin token; weights the exporter wrote beside the graph inlined first, see
+   ``_one_file``) is timed wall-clock: its status, time, the refusal's message, or the served variant's
+   report (nodes, ops left, verification);
 2. every request (the verifier's input kinds from ``service.optimizer.verify_inputs``: image-like in
    [0, 1], standard normal, uniform [0, 1) at batch 1, image-like again at batch 2 where the batch is
    dynamic) goes through **tritonclient** (HTTP, binary tensors), and the answer is compared with ONNX
@@ -138,7 +139,7 @@ def check(url: str, name: str, export: Path, token: str) -> dict:
     import httpx
 
     auth = {"Authorization": f"Bearer {token}"}
-    data = export.read_bytes()
+    data, inlined = _one_file(export)
     started = time.perf_counter()
     response = httpx.post(
         f"{url}/v1/models/{name}",
@@ -147,6 +148,8 @@ def check(url: str, name: str, export: Path, token: str) -> dict:
         timeout=OPTIMIZER_TIMEOUT_S + 120,
     )
     row: dict = {"upload_status": response.status_code, "upload_s": round(time.perf_counter() - started, 1)}
+    if inlined:
+        row["upload_inlined"] = True
     body = response.json()
     if response.status_code != 201:
         return {**row, "upload_error": str(body.get("error", body))[:800]}
@@ -156,6 +159,21 @@ def check(url: str, name: str, export: Path, token: str) -> dict:
     finally:
         httpx.delete(f"{url}/v1/models/{name}/versions/{body['version']}", headers=auth, timeout=60)
     return row
+
+
+def _one_file(export: Path) -> tuple[bytes, bool]:
+    """The export as one self-contained file, and whether its weights had to be brought in.
+
+    The dynamo exporter writes the weights beside the graph (``model.onnx.data``) by default; the upload
+    takes one file and refuses external data with a clear message (the CLI reads both), so such an export is
+    uploaded with its weights inlined: the same model, as a user following that message would send it."""
+    import onnx
+
+    model = onnx.load(str(export), load_external_data=False)
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return export.read_bytes(), False
+    onnx.load_external_data_for_model(model, str(export.parent))
+    return model.SerializeToString(), True
 
 
 def _served_report(described: dict) -> dict:

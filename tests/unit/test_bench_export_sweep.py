@@ -174,3 +174,25 @@ def test_ties_need_ort_own_optimizer_to_lose_detections_too(detections):
     assert export_serve._verdict(shifted, shifted) == "ties"
     cut = served_equal.compare(expected, {k: v[:1] for k, v in expected.items()}, unordered)
     assert export_serve._verdict(cut, shifted) == "differs"  # a wrong shape is never a tie
+
+
+def test_weights_written_beside_the_graph_are_inlined_for_the_upload(tmp_path: Path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [weight],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save_model(model, tmp_path / "whole.onnx")
+    onnx.save_model(model, tmp_path / "split.onnx", save_as_external_data=True, size_threshold=0, location="w.data")
+    assert (tmp_path / "w.data").stat().st_size == 64 * 4
+    data, inlined = export_serve._one_file(tmp_path / "split.onnx")
+    assert inlined and onnx.load_from_string(data).graph.initializer[0].data_location == TensorProto.DEFAULT
+    y = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": np.ones((1, 8), np.float32)})
+    np.testing.assert_array_equal(y[0], np.ones((1, 8), np.float32) @ numpy_helper.to_array(weight))
+    assert export_serve._one_file(tmp_path / "whole.onnx") == ((tmp_path / "whole.onnx").read_bytes(), False)
