@@ -189,7 +189,7 @@ def served_detections(row: dict) -> str:
 def _table(rows: list[dict]) -> str:
     head = (
         f"{'model':<34} {'variant':<7} {'fc':<3} {'status':<8} {'nodes':>11} {'opset':>6} "
-        f"{'Clip/Div/HSw/HSig/BN':>21} {'rel':>8} {'cli s':>6} {'upload':>6} {'up s':>6} {'up/cli':>6} "
+        f"{'Clip/Div/HSw/HSig/BN':>21} {'rel':>8} {'cli s':>6} {'upload':>6} {'up s':>6} {'tune':>5} {'up/cli':>6} "
         f"{'served':>6} {'rel':>8}  detections (verified; served)"
     )
     lines = [head, "-" * len(head)]
@@ -223,6 +223,7 @@ def _table_line(r: dict) -> str:
         f"{r['model']:<34} {r['variant']:<7} {'y' if r['fused_conv'] else 'n':<3} {r['status']:<8} "
         f"{nodes:>11} {r.get('opset', ''):>6} {counts:>21} {_number(r.get('max_rel_diff')):>8} "
         f"{r.get('seconds', ''):>6} {r.get('upload_status', ''):>6} {r.get('upload_s', ''):>6} "
+        f"{r.get('served_tune_s', ''):>5} "
         f"{_number(r.get('upload_cli_ratio'), '.2f'):>6} {served:>6} {_number(r.get('served_max_rel')):>8}  "
         f"{detections}"
     )
