@@ -76,8 +76,14 @@ ALL_DETECTORS = frozenset((*DETECTORS, *ONE_STAGE_DETECTORS, *RCNN_DETECTORS))
 TIMM_BUILT = frozenset((*TIMM_MODELS, *REPARAM_MODELS, "deit_tiny_patch16_224", "mobilevit_s"))
 ULTRALYTICS_BUILT = {"yolov8n": "yolov8n.yaml"}
 SMALL_DETECTOR = {"min_size": 320, "max_size": 320}
-DETECTOR_KWARGS = {name: SMALL_DETECTOR for name in (*ONE_STAGE_DETECTORS[:2], *RCNN_DETECTORS)}
-"""The R-CNN-style transform resizes to ``min_size``; 320 keeps the ResNet-50-FPN detectors fast."""
+DETECTOR_KWARGS = {
+    **{name: SMALL_DETECTOR for name in ("retinanet_resnet50_fpn", *RCNN_DETECTORS)},
+    "fcos_resnet50_fpn": {**SMALL_DETECTOR, "score_thresh": 0.001},
+}
+"""The R-CNN-style transform resizes to ``min_size``; 320 keeps the ResNet-50-FPN detectors fast. FCOS with
+random weights scores every box under its 0.05 threshold (0-4 detections): at 0.001 it keeps 100, so the
+served comparison has detections to match. (The R-CNNs detect nothing with random weights at any
+threshold: their random proposals are cut away before scoring.)"""
 SIZES = {"ssd300_vgg16": 300, "inception_v3": 299, "mobilevit_s": 256, "yolov8n": 320}
 """Input height and width where not the task's default (below)."""
 DETECTOR_SIZE = 320  # detectors: one fixed 3xSxS image (SSDLite-320's and the 320-FPN's own size)

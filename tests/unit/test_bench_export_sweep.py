@@ -81,7 +81,7 @@ def test_the_new_families_have_groups_sizes_and_tasks():
     assert export_sweep._model_names("detection_rcnn") == ["maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"]
     assert export_models.task("ssd300_vgg16") == "detection" and export_models.input_size("ssd300_vgg16") == 300
     assert export_models.input_size("retinanet_resnet50_fpn") == 320
-    assert export_models.DETECTOR_KWARGS["fcos_resnet50_fpn"] == {"min_size": 320, "max_size": 320}
+    assert export_models.DETECTOR_KWARGS["maskrcnn_resnet50_fpn"] == {"min_size": 320, "max_size": 320}
     assert export_models.task("yolov8n") == "classification"  # one dense batched output
     assert export_models.family("repvgg_a0") == "reparam" and export_models.family("resnet34_fp16") == "fp16"
 
