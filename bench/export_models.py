@@ -45,7 +45,7 @@ CLASSIFIERS = (
     "vit_b_16",
 )
 DETECTORS = ("ssdlite320_mobilenet_v3_large", "fasterrcnn_mobilenet_v3_large_320_fpn")
-ONE_STAGE_DETECTORS = ("retinanet_resnet50_fpn", "fcos_resnet50_fpn", "ssd300_vgg16")
+ONE_STAGE_DETECTORS = ("retinanet_resnet50_fpn", "fcos_resnet50_fpn", "fcos_resnet50_fpn_lowthresh", "ssd300_vgg16")
 RCNN_DETECTORS = ("maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn")
 SEGMENTERS = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large")
 # timm networks with hard-swish/hard-sigmoid (MixNet: BatchNorm after a Concat of Convs).
@@ -77,13 +77,14 @@ TIMM_BUILT = frozenset((*TIMM_MODELS, *REPARAM_MODELS, "deit_tiny_patch16_224", 
 ULTRALYTICS_BUILT = {"yolov8n": "yolov8n.yaml"}
 SMALL_DETECTOR = {"min_size": 320, "max_size": 320}
 DETECTOR_KWARGS = {
-    **{name: SMALL_DETECTOR for name in ("retinanet_resnet50_fpn", *RCNN_DETECTORS)},
-    "fcos_resnet50_fpn": {**SMALL_DETECTOR, "score_thresh": 0.001},
+    **{name: SMALL_DETECTOR for name in ("retinanet_resnet50_fpn", "fcos_resnet50_fpn", *RCNN_DETECTORS)},
+    "fcos_resnet50_fpn_lowthresh": {**SMALL_DETECTOR, "score_thresh": 0.001},
 }
 """The R-CNN-style transform resizes to ``min_size``; 320 keeps the ResNet-50-FPN detectors fast. FCOS with
-random weights scores every box under its 0.05 threshold (0-4 detections): at 0.001 it keeps 100, so the
-served comparison has detections to match. (The R-CNNs detect nothing with random weights at any
-threshold: their random proposals are cut away before scoring.)"""
+random weights scores every box under its 0.05 threshold (0-4 detections, often none, the case a blank
+image gives a trained one); ``_lowthresh`` (0.001) keeps 100, so its served answer has detections to match.
+(The R-CNNs detect nothing with random weights at any threshold: their random proposals are cut away
+before scoring.)"""
 SIZES = {"ssd300_vgg16": 300, "inception_v3": 299, "mobilevit_s": 256, "yolov8n": 320}
 """Input height and width where not the task's default (below)."""
 DETECTOR_SIZE = 320  # detectors: one fixed 3xSxS image (SSDLite-320's and the 320-FPN's own size)
@@ -131,6 +132,7 @@ def export_one(name: str, variant: str, path: Path) -> None:
 
     torch.manual_seed(0)
     model = build_model(name).eval()
+    _randomize_zero_weights(torch, model)
     _randomize_norms(torch, model)
     if task(name) != "detection":  # a detector in train mode wants targets; its norms stay as randomized
         _calibrate_norms(torch, model, input_size(name))
@@ -187,7 +189,7 @@ def build_model(name: str):
     import torchvision
 
     if task(name) == "detection":
-        return getattr(torchvision.models.detection, name)(
+        return getattr(torchvision.models.detection, name.removesuffix("_lowthresh"))(
             weights=None, weights_backbone=None, **DETECTOR_KWARGS.get(name, {})
         )
     if task(name) == "segmentation":
@@ -248,6 +250,17 @@ def _randomize_norms(torch, model) -> None:
             if getattr(module, "weight", None) is not None:
                 module.weight.uniform_(0.8, 1.6, generator=gen)
                 module.bias.normal_(0.0, 0.2, generator=gen)
+
+
+def _randomize_zero_weights(torch, model) -> None:
+    """Weights a builder sets to zero (torchvision's ViT head) get small random values: a zero head makes
+    every output 0 whatever the input, and a comparison of zeros proves nothing."""
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and weight is not None and not weight.any():
+                weight.normal_(0.0, 0.02, generator=gen)
 
 
 def _calibrate_norms(torch, model, size: int) -> None:
