@@ -1,23 +1,33 @@
-"""Cold starts: N fresh server processes in a row, each must serve the demo model and answer one request.
+"""Cold starts: server processes started on a warm store and on a fresh one; every start must serve the demo model.
 
-    python bench/coldstart.py --runs 30 --store fresh [--parallel 4] [--env SERVICE_X=Y ...]
-    python bench/coldstart.py --runs 30 --store warm
+    python bench/coldstart.py --runs 30 [--store both|warm|fresh] [--parallel 6] [--env SERVICE_X=Y ...]
 
-``--store fresh``: every server starts on an empty model directory (it builds, optimizes, tunes and warms the
-demo model). ``--store warm``: one server prepares a store first, then every run starts on a copy of it (the
-optimized files and the tuner's record are reused). A run passes when ``/v2/health/ready`` answers 200 within
-``--ready-timeout-s`` and one KServe V2 binary request to the demo model answers 200 with the model's output
-shape. A run that fails keeps its server log, and the stacks of every thread of the server (the server writes
-them to its log on SIGUSR1, ``service/server/process.py``), taken before it is stopped. ``--parallel P`` runs P
-servers at once (each on its own port and store): P times faster, and P servers loading one GPU at once.
-Writes ``bench/results/coldstart-<date>-<store>.json`` (``--out``): every run's outcome and timings.
+``warm``: one server prepares a store first (it builds, optimizes, tunes and warms the demo model), then every
+run starts on a copy of it (the optimized files and the tuner's record, with its cuDNN search verdict, are
+reused). ``fresh``: every run starts on an empty model directory (build, optimize, verify, tune, warm).
+``both`` (the default) runs ``--runs`` warm starts, then ``--runs`` fresh ones. A run passes when
+``/v2/health/ready`` answers 200 within ``--ready-timeout-s`` and one binary KServe V2 request to the demo model
+answers 200 with one output row of the model's shape. A passing run keeps the server's load-phase line
+(optimize, read, tune, session, warm per bucket, activate: where a start's time goes); a failing one keeps its
+log and the stacks of every thread of the server (SIGUSR1, ``service/server/process.py``), taken before it is
+stopped. ``--parallel P`` runs P servers at once (each on its own port and store; ``--parallel-fresh`` for the
+fresh ones): P times faster, and P servers loading one GPU at once. ``--deadline-s``: no run starts after it
+(runs in flight finish), and the file is rewritten after every run, so a device call's time limit never loses
+what was measured; the file says how many ran.
+
+The servers get the caller's environment, PYTHONPATH included, with the project's root put first (on the GPU
+machine the packages live on PYTHONPATH: a server without it died with "No module named 'pydantic'").
+Writes ``bench/results/coldstart-<date>.json`` (``--out``): per store, ready seconds (p50, max, every run) and
+every run's outcome.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,18 +49,25 @@ from bench.service import binary_payload, free_port  # noqa: E402
 
 DEMO = "mobilenet_v3_large"
 STACK_WAIT_S = 2.0
+PHASES = re.compile(rf"{DEMO} v\d+ ready: (.*)$", re.MULTILINE)
+SEARCH = re.compile(r"autotune: cuDNN search .*$", re.MULTILINE)
 
 
-def server_env(extra: dict[str, str], device: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+def server_env(extra: dict[str, str], device: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment (``base``: os.environ) without its SERVICE_ settings, the project's root first on
+    its PYTHONPATH, and the benchmark's settings."""
+    base = dict(os.environ if base is None else base)
+    env = {k: v for k, v in base.items() if not k.startswith("SERVICE_")}
+    paths = [str(ROOT), *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT))]
     env.update(SERVICE_DEVICE=device, SERVICE_DEMO_MODEL="true", SERVICE_LOG_LEVEL="info", SERVICE_GRPC_PORT="off",
-               PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+               PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
 def one_request(url: str) -> tuple[bool, str]:
-    """One binary V2 request to the demo model; (ok, what happened)."""
+    """One binary V2 request to the demo model; (ok, what happened). ok: 200 and one output row of the shape
+    the model's metadata declares."""
     meta = httpx.get(f"{url}/v2/models/{DEMO}", timeout=10)
     if meta.status_code != 200:
         return False, f"metadata {meta.status_code}: {meta.text[:200]}"
@@ -60,8 +77,17 @@ def one_request(url: str) -> tuple[bool, str]:
     per_sample = int(np.prod(spec_out["shape"][1:]))
     payload = binary_payload(DEMO, spec_in["name"], spec_out["name"], sample, per_sample)
     reply = httpx.post(f"{url}/v2/models/{DEMO}/infer", content=payload.body, headers=payload.headers, timeout=60)
-    if reply.status_code != 200:
-        return False, f"infer {reply.status_code}: {reply.text[:200]}"
+    return check_reply(reply.status_code, reply.headers, reply.content, [1, *spec_out["shape"][1:]])
+
+
+def check_reply(status: int, headers: Any, body: bytes, want_shape: list[int]) -> tuple[bool, str]:
+    """A binary KServe V2 reply: its JSON header names the output and its shape."""
+    if status != 200:
+        return False, f"infer {status}: {body[:200]!r}"
+    length = int(headers.get("Inference-Header-Content-Length", len(body)))
+    output = json.loads(body[:length])["outputs"][0]
+    if output["shape"] != want_shape:
+        return False, f"infer answered shape {output['shape']}, expected {want_shape}"
     return True, "answered"
 
 
@@ -88,8 +114,11 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
         time.sleep(STACK_WAIT_S)
     _stop(proc)
     outcome["exit_code"] = proc.returncode
+    text = log_path.read_text(errors="replace")
+    outcome["phases"] = [m.group(1) for m in PHASES.finditer(text)]
+    outcome["cudnn_search"] = [m.group(0) for m in SEARCH.finditer(text)]
     if not outcome["ok"]:
-        outcome["log_tail"] = log_path.read_text(errors="replace")[-12000:]
+        outcome["log_tail"] = text[-12000:]
     else:
         log_path.unlink(missing_ok=True)
     return outcome
@@ -108,7 +137,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, started: float, timeout
             last = reply.text[:200]
         except httpx.HTTPError as exc:
             last = type(exc).__name__
-        time.sleep(0.25)
+        time.sleep(0.1)
     return {"ready_s": None, "result": f"not ready after {timeout_s:.0f} s ({last})"}
 
 
@@ -124,63 +153,99 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    env = server_env(dict(kv.split("=", 1) for kv in args.env), args.device)
-    logs = args.logs or work / "logs"
+def summary(results: list[dict[str, Any]], runs: int) -> dict[str, Any]:
+    """Passed, failed and not run; ready seconds of the runs that got ready (p50, max, every one)."""
+    ready = [r["ready_s"] for r in results if r.get("ready_s") is not None]
+    passed = sum(bool(r.get("ok")) for r in results)
+    return {"runs": runs, "passed": passed, "failed": len(results) - passed, "not_run": runs - len(results),
+            "ready_s_p50": common.median(ready) if ready else None, "ready_s_max": max(ready) if ready else None,
+            "ready_s": ready}
+
+
+def run_store(kind: str, args: argparse.Namespace, work: Path, env: dict[str, str], deadline: float,
+              save: Any) -> dict[str, Any]:
+    """``args.runs`` starts on a ``kind`` store ("warm": copies of one prepared store, "fresh": empty ones);
+    ``save(section)`` after each run."""
+    logs = (args.logs or work / "logs") / kind
     logs.mkdir(parents=True, exist_ok=True)
+    section: dict[str, Any] = {}
     template = None
-    if args.store == "warm":
+    if kind == "warm":
         template = work / "template"
         prepared = run_once(-1, template, logs, env, args.ready_timeout_s)
+        section["prepared"] = prepared
         print(f"prepared the warm store: {prepared.get('result')} after {prepared.get('ready_s')} s", flush=True)
         if not prepared["ok"]:
-            return [prepared]
+            return {**summary([], args.runs), **section, "results": []}
 
-    def store_for(index: int) -> Path:
-        store = work / f"store-{index:03d}"
+    def start(index: int) -> dict[str, Any]:
+        if time.monotonic() > deadline:
+            return {"run": index, "ok": False, "not_run": "deadline"}
+        store = work / f"{kind}-{index:03d}"
         if template is not None:
             shutil.copytree(template, store)
-        return store
+        try:
+            return run_once(index, store, logs, env, args.ready_timeout_s)
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
 
     results: list[dict[str, Any]] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = [pool.submit(run_once, i, store_for(i), logs, env, args.ready_timeout_s) for i in range(args.runs)]
-        for future in futures:
-            outcome = future.result()
+    parallel = args.parallel_fresh if kind == "fresh" and args.parallel_fresh else args.parallel
+    section["parallel"] = parallel
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        for outcome in pool.map(start, range(args.runs)):
+            if outcome.get("not_run"):
+                continue
             results.append(outcome)
-            print(f"run {outcome['run']:3d}: {'ok  ' if outcome['ok'] else 'FAIL'} ready {outcome.get('ready_s')} s, "
-                  f"{outcome.get('result')}", flush=True)
-            if not outcome["ok"]:
-                shutil.rmtree(work / f"store-{outcome['run']:03d}", ignore_errors=True)
-    return results
+            print(f"{kind} run {outcome['run']:3d}: {'ok  ' if outcome['ok'] else 'FAIL'} ready "
+                  f"{outcome.get('ready_s')} s, {outcome.get('result')}", flush=True)
+            save({**summary(results, args.runs), **section, "results": results})
+    return {**summary(results, args.runs), **section, "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--store", choices=("fresh", "warm"), default="fresh")
+    parser.add_argument("--runs", type=int, default=30, help="starts per store")
+    parser.add_argument("--store", choices=("both", "warm", "fresh"), default="both")
     parser.add_argument("--parallel", type=int, default=1, help="servers started at once (default 1: in a row)")
+    parser.add_argument("--parallel-fresh", type=int, default=None, help="for the fresh store (default --parallel)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu", "auto"))
     parser.add_argument("--env", action="append", default=[], help="SERVICE_X=Y for every server (repeatable)")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     parser.add_argument("--logs", type=Path, help="where failing runs' logs stay (default: a temporary folder)")
-    parser.add_argument("--out", type=Path, help="result file (default bench/results/coldstart-<date>-<store>.json)")
+    parser.add_argument("--out", type=Path, help="result file (default bench/results/coldstart-<date>.json)")
     args = parser.parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.deadline_s if args.deadline_s is not None else float("inf")
     head = common.header(packages=("numpy", "onnx", "onnxruntime", "fastapi", "uvicorn"))
+    env = server_env(dict(kv.split("=", 1) for kv in args.env), args.device)
+    kinds = ("warm", "fresh") if args.store == "both" else (args.store,)
+    stores: dict[str, Any] = {}
+    out = args.out or common.RESULTS_DIR / f"coldstart-{head['date']}.json"
+
+    def write() -> Path:
+        document = {"runs_per_store": args.runs, "device_asked": args.device, "env": args.env,
+                    "elapsed_s": round(time.monotonic() - started, 1), "stores": stores}
+        return common.write_result("coldstart", document, head=head, path=out)
+
+    def save(kind: str) -> Any:
+        def keep(section: dict[str, Any]) -> None:
+            stores[kind] = section
+            write()
+
+        return keep
+
     with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
-        results = run(args, Path(tmp))
-    passed = sum(r["ok"] for r in results)
-    ready = [r["ready_s"] for r in results if r.get("ready_s") is not None]
-    document = {
-        "store": args.store, "runs": args.runs, "parallel": args.parallel, "device": args.device, "env": args.env,
-        "passed": passed, "failed": len(results) - passed,
-        "ready_s_median": common.median(ready) if ready else None, "ready_s_max": max(ready) if ready else None,
-        "results": results,
-    }
-    path = common.write_result("coldstart", document, head=head,
-                               path=args.out or common.RESULTS_DIR / f"coldstart-{head['date']}-{args.store}.json")
-    print(f"{passed}/{len(results)} cold starts served ({args.store} store); wrote {path}")
-    return 0 if passed == len(results) == args.runs else 1
+        for kind in kinds:
+            stores[kind] = run_store(kind, args, Path(tmp), env, deadline, save(kind))
+            write()
+    path = write()
+    rows = [{"store": kind, **{k: s[k] for k in ("runs", "passed", "failed", "not_run", "ready_s_p50",
+                                                    "ready_s_max")}} for kind, s in stores.items()]
+    common.print_table(rows, ["store", "runs", "passed", "failed", "not_run", "ready_s_p50", "ready_s_max"],
+                       title=f"cold starts; wrote {path}")
+    return 0 if all(s["passed"] == s["runs"] for s in stores.values()) else 1
 
 
 if __name__ == "__main__":

@@ -123,6 +123,10 @@ def _report_fields(report: dict) -> dict:
         "max_rel_diff": report["max_rel_diff"],
         "verify_batch_sizes": report.get("verify_batch_sizes"),
         "verify_input_kinds": report.get("verify_input_kinds"),
+        # input kinds the original model fails on (Keypoint R-CNN on [0, 255]): kind -> its first error
+        "verify_skipped_kinds": report.get("verify_skipped_kinds") or {},
+        "verify_precision": report.get("verify_precision"),
+        "verify_tolerance": [report.get("verify_rtol"), report.get("verify_atol")],
         # outputs compared as sets of detections: their detection count in every verification run
         "verify_unordered_rows": report.get("verify_unordered_rows") or {},
         "verify_selection_inputs": report.get("verify_selection_inputs") or [],

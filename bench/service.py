@@ -11,7 +11,12 @@ In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
 2. **Servers**, one at a time, each a ``python -m service serve`` / uvicorn subprocess on 127.0.0.1:
    (a) ``service``: ours with dynamic batching, (b) ``service_nobatch``: SERVICE_MAX_BATCH_SIZE=1,
    (c) ``naive``: bench/naive_server.py (one ORT session on the unoptimized model, one request = one
-   inference, FastAPI + stdlib json).
+   inference, FastAPI + stdlib json), (d) ``triton``: Triton's own C++ server (the ``nvidia-pytriton`` wheel,
+   the ``bench`` extra) with a Python-backend model that runs OUR stored engine behind Triton's front ends and
+   dynamic batcher, with our max batch and queue delay (bench/triton_repository.py, bench/triton_model.py).
+   With ``triton`` listed, Triton and our servers run at the same time and take turns: at each concurrency
+   ``--rounds`` rounds, the order reversed every other round; their rows pool the rounds, and the summary's
+   ``vs_triton`` gives ours/Triton per series and concurrency (img/s, p50, p99).
 3. **Load**: an asyncio client with N concurrent workers (N = 1, 8, 32, 64) over ``--client-procs``
    processes, each sending its next request as soon as the last one returns, for a fixed time after a
    warm-up (``--client raw``, the default: one prebuilt HTTP/1.1 request per write over asyncio streams;
@@ -67,7 +72,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import common, cpu_usage  # noqa: E402
+from bench import common, cpu_usage, triton_repository  # noqa: E402
 
 DEMO_MODEL = "mobilenet_v3_large"
 SERIES_OF = {
@@ -85,7 +90,7 @@ SERVICE_VARIANT_ENV: dict[str, dict[str, str]] = {
 the settings each one changes."""
 # httptools and uvloop: uvicorn falls back to its pure-Python parser and asyncio's loop without them
 PACKAGES = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "fastapi", "uvicorn", "httptools", "uvloop", "httpx",
-            "orjson", "grpcio", "tritonclient", "protobuf")
+            "orjson", "grpcio", "tritonclient", "protobuf", "nvidia-pytriton")
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -110,10 +115,20 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     cwd: Path = ROOT
     """Where the server runs (another checkout for a baseline of an earlier commit)."""
+    port_option: str = "--port"
+    """The option that takes the HTTP port, appended to ``command`` (tritonserver's is ``--http-port``)."""
+    metrics_port: int | None = None
+    """Where /metrics is served when not on the HTTP port (Triton's metrics port)."""
+    metrics_dialect: str = "service"
+    """Whose /metrics: ``service`` (ours: batch-size histograms, request/queue/compute seconds) or ``triton``."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.url if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}"
 
     @property
     def grpc_target(self) -> str | None:
@@ -124,11 +139,19 @@ class Server:
         return self.process.pid if self.process is not None else None
 
     def start(self, timeout_s: float) -> None:
-        command = [*self.command, "--port", str(self.port)]
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (``wait_ready`` then waits for it: several servers can start at once)."""
+        command = [*self.command, self.port_option, str(self.port)]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -159,13 +182,24 @@ class Server:
 
 @contextlib.contextmanager
 def running(server: Server, timeout_s: float) -> Iterator[Server]:
-    started = time.perf_counter()
-    server.start(timeout_s)
-    print(f"  {server.name}: ready on {server.url} after {time.perf_counter() - started:.1f} s", flush=True)
-    try:
+    with running_together([server], timeout_s):
         yield server
+
+
+@contextlib.contextmanager
+def running_together(servers: Sequence[Server], timeout_s: float) -> Iterator[Sequence[Server]]:
+    """Start the servers at once (their warm-ups overlap), wait until each is ready, stop them all at the end."""
+    started = time.perf_counter()
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready(max(1.0, timeout_s - (time.perf_counter() - started)))
+            print(f"  {server.name}: ready on {server.url} after {time.perf_counter() - started:.1f} s", flush=True)
+        yield servers
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 def service_server(
@@ -190,14 +224,51 @@ def service_server(
 def naive_server(model_path: Path, device: str, logs: Path) -> Server:
     command = [sys.executable, str(ROOT / "bench" / "naive_server.py"), str(model_path), "--device", device]
     command += ["--name", DEMO_MODEL]
-    return Server("naive", command, dict(os.environ), "/health", logs / "naive.log")
+    return Server("naive", command, dict(os.environ), "/health", logs / "naive.log", metrics_dialect="none")
+
+
+def served_batching(model_dir: Path, name: str, device: str) -> tuple[int, float]:
+    """Our batcher's largest batch and queue delay (s) for the stored model: its config over the server's
+    defaults, as the registry resolves them."""
+    from service.model_config import ModelConfig
+    from service.settings import ServiceSettings
+
+    _, meta = served_model(model_dir, name)
+    effective = ModelConfig.from_dict(meta.get("config")).effective(ServiceSettings(device=device))
+    return effective.max_batch_size, effective.max_delay_s
+
+
+def triton_server(model_dir: Path, device: str, logs: Path, work: Path, metadata: dict[str, Any],
+                  name: str = DEMO_MODEL) -> Server:
+    """Triton's own server (the nvidia-pytriton wheel's binary) with a Python-backend model ``name`` that runs our
+    stored engine of ``name`` (bench/triton_repository.py, bench/triton_model.py), the served model's KServe V2
+    ``metadata`` (inputs, outputs), and our batcher's max batch and queue delay in Triton's dynamic batcher."""
+    install = triton_repository.TritonInstall.find()
+    if install is None:
+        raise RuntimeError("the triton server needs the nvidia-pytriton wheel (the bench extra; bench/README.md): "
+                           "pip install --no-deps 'nvidia-pytriton>=0.7'")
+    max_batch, delay_s = served_batching(model_dir, name, device)
+    params = {"model_dir": str(model_dir), "model_name": name, "device": device,
+              "python_path": triton_repository.python_path(ROOT)}
+    repository = work / "triton-models"
+    triton_repository.write_repository(repository, name, metadata["inputs"], metadata["outputs"],
+                                       max_batch_size=max_batch, max_queue_delay_us=round(delay_s * 1e6),
+                                       parameters=params)
+    backends = triton_repository.backend_directory(install, work / "triton-backends")
+    grpc_port, metrics_port = free_port(), free_port()
+    command = triton_repository.triton_command(install, repository, backends, grpc_port=grpc_port,
+                                               metrics_port=metrics_port)
+    env = triton_repository.triton_env(install, os.environ)
+    return Server("triton", command, env, "/v2/health/ready", logs / "triton.log", grpc_port=grpc_port,
+                  port_option="--http-port", metrics_port=metrics_port, metrics_dialect="triton")
 
 
 def ceiling_server(reply_floats: int, logs: Path) -> Server:
     """No framework, no model: answers every request at once (bench/raw_http_server.py). Its throughput
     is what the load generator itself can send on this host, the ceiling of every other figure."""
     command = [sys.executable, str(ROOT / "bench" / "raw_http_server.py"), "--reply-floats", str(reply_floats)]
-    return Server("client_ceiling", command, dict(os.environ), "/", logs / "client_ceiling.log")
+    return Server("client_ceiling", command, dict(os.environ), "/", logs / "client_ceiling.log",
+                  metrics_dialect="none")
 
 
 # ------------------------------------------------------------------------------------------ payloads
@@ -254,14 +325,14 @@ GRPC_STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 def grpc_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int,
                  series: str) -> Payload:
-    """A serialized ``ModelInferRequest``, the input in ``raw_input_contents`` (what tritonclient.grpc sends);
-    ``path`` is the RPC's method name."""
+    """A serialized ``ModelInferRequest``, the input in ``raw_input_contents`` in the sample's own datatype (what
+    tritonclient.grpc sends; the same bytes as the REST binary body); ``path`` is the RPC's method name."""
     from tritonclient.grpc import service_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=model)
-    request.inputs.add(name=input_name, datatype="FP32", shape=sample.shape)
+    request.inputs.add(name=input_name, datatype=_DATATYPES[sample.dtype.str], shape=sample.shape)
     request.outputs.add(name=output_name)
-    request.raw_input_contents.append(sample.astype("<f4").tobytes())
+    request.raw_input_contents.append(sample.tobytes())
     path = GRPC_STREAM if series == "grpc_stream" else GRPC_INFER
     return Payload(series, path, request.SerializeToString(), {}, sample.shape[0], output_name, out_count)
 
@@ -544,6 +615,12 @@ class BatchCounters:
         return BatchCounters(self.samples - before.samples, self.calls - before.calls,
                              {le: n - before.cumulative.get(le, 0.0) for le, n in self.cumulative.items()})
 
+    def plus(self, other: BatchCounters) -> BatchCounters:
+        """Two windows' counts together (rounds of one load point)."""
+        bounds = self.cumulative.keys() | other.cumulative.keys()
+        return BatchCounters(self.samples + other.samples, self.calls + other.calls,
+                             {le: self.cumulative.get(le, 0.0) + other.cumulative.get(le, 0.0) for le in bounds})
+
     def calls_per_range(self) -> dict[float, float]:
         """Calls whose size lies in (previous bound, bound], by bound."""
         ranges, below = {}, 0.0
@@ -607,13 +684,41 @@ def server_timing(url: str) -> dict[str, list[float]] | None:
 
 def server_means_ms(before: dict[str, list[float]] | None, after: dict[str, list[float]] | None) -> dict | None:
     """Mean ms per request of each part between two ``server_timing`` snapshots."""
+    return timing_means_ms(timing_delta(before, after))
+
+
+def timing_delta(before: dict[str, list[float]] | None,
+                 after: dict[str, list[float]] | None) -> dict[str, list[float]] | None:
+    """[seconds, requests] per part between two snapshots (``server_timing`` / ``server_timing_of``)."""
     if not before or not after:
         return None
-    means = {}
-    for part, (total, count) in after.items():
-        calls = count - before[part][1]
-        means[part] = (total - before[part][0]) / calls * 1e3 if calls > 0 else None
-    return means
+    return {part: [total - before[part][0], count - before[part][1]] for part, (total, count) in after.items()}
+
+
+def timing_means_ms(delta: dict[str, list[float]] | None) -> dict[str, float | None] | None:
+    """Mean ms per request of each part of a ``timing_delta`` (None where no request was counted)."""
+    if not delta:
+        return None
+    return {part: total / count * 1e3 if count > 0 else None for part, (total, count) in delta.items()}
+
+
+def server_counters(server: Server) -> BatchCounters | None:
+    """Samples and engine calls so far, whoever's server: ours (``batch_counters``), Triton's (inferences and
+    executions, no histogram), None for a server without such metrics."""
+    if server.metrics_dialect == "triton":
+        text = _metrics_text(server.metrics_url)
+        counts = triton_repository.batch_counts(text, DEMO_MODEL) if text is not None else None
+        return None if counts is None else BatchCounters(counts[0], counts[1], {})
+    return batch_counters(server.metrics_url) if server.metrics_dialect == "service" else None
+
+
+def server_timing_of(server: Server) -> dict[str, list[float]] | None:
+    """The server's own time per stage so far, [seconds, requests] per part: ours (``server_timing``: request,
+    queue, compute), Triton's (``triton_repository.TIMING_PARTS``), None for a server without such metrics."""
+    if server.metrics_dialect == "triton":
+        text = _metrics_text(server.metrics_url)
+        return triton_repository.timing_totals(text, DEMO_MODEL) if text is not None else None
+    return server_timing(server.metrics_url) if server.metrics_dialect == "service" else None
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -833,67 +938,147 @@ def single_grpc_latency(target: str, payload: Payload, requests: int = 200, warm
     return times
 
 
-def bench_server(server: Server, payloads: Sequence[Payload], args: argparse.Namespace, eng: EngineTable) -> list:
+LONE_SERIES = ("binary", "grpc")
+"""Series whose lone request (blocking client, one at a time) is measured on our servers and Triton's."""
+
+
+def lone_rows(server: Server, payloads: Sequence[Payload]) -> list[dict]:
+    """A lone request of each of ``LONE_SERIES`` (our servers and Triton): latency, and the server's own
+    means per stage for it."""
     rows = []
-    with running(server, args.ready_timeout):
-        for payload in payloads:
-            if server.name.startswith("service") and payload.series in ("binary", "grpc"):
-                grpc_call = payload.series == "grpc"
-                timing_before = server_timing(server.url)
-                if grpc_call:
-                    assert server.grpc_target is not None
-                    times = single_grpc_latency(server.grpc_target, payload)
-                else:
-                    times = single_request_latency(server.url, payload)
-                server_ms = server_means_ms(timing_before, server_timing(server.url))
-                rows.append(
-                    {
-                        "server": server.name,
-                        "series": f"{payload.series}_sync",
-                        "concurrency": 1,
-                        "p50_ms": float(np.median(times)),
-                        "p99_ms": float(np.percentile(times, 99)),
-                        "throughput": 1e3 / float(np.mean(times)),
-                        "mean_batch": 1.0,
-                        "errors": 0,
-                        "engine_fraction": None,
-                        # where a lone request's time goes: the client's mean against the server's own
-                        # means (request: from the handler's start to its reply; queue; compute)
-                        "mean_ms": float(np.mean(times)),
-                        "server_mean_ms": server_ms,
-                    }
-                )
-                print(
-                    f"  {server.name:15s} {payload.series} one request at a time (blocking client): "
-                    f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms mean {rows[-1]['mean_ms']:.3f}"
-                    f" ms; server means {_fmt_parts(server_ms)}",
-                    flush=True,
-                )
-        for concurrency in args.concurrency:  # the series alternate at each concurrency
-            for payload in payloads:
-                before = batch_counters(server.url)
-                cpu_before = cpu_usage.snapshot(server.pid)
-                target = server.grpc_target if is_grpc(payload) else server.url
-                assert target is not None, f"{server.name} speaks no gRPC"
-                point = run_point(target, payload, concurrency, args.warmup, args.duration,
-                                  procs=args.client_procs, client=args.client)
-                cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid))
-                after = batch_counters(server.url)
-                batch, counters = None, None
-                if server.name == "naive":
-                    batch = float(payload.samples)  # one request = one inference, by construction
-                elif before and after and after.calls > before.calls:
-                    counters = after.since(before)
-                    batch = counters.samples / counters.calls
-                row = _row(server.name, payload, concurrency, point, batch, eng, counters)
-                row["cpu"] = cpu
-                rows.append(row)
-                print(
-                    f"  {server.name:15s} {payload.series:11s} c={concurrency:3d}: {row['throughput']:8.1f}/s "
-                    f"p50 {row['p50_ms']:8.2f} ms p99 {row['p99_ms']:8.2f} ms batch {_fmt(batch)} "
-                    f"errors {point.errors}{cpu_usage.describe(cpu)}",
-                    flush=True,
-                )
+    if not (server.name.startswith("service") or server.name == "triton"):
+        return rows
+    for payload in payloads:
+        if payload.series not in LONE_SERIES:
+            continue
+        timing_before = server_timing_of(server)
+        if payload.series == "grpc":
+            assert server.grpc_target is not None
+            times = single_grpc_latency(server.grpc_target, payload)
+        else:
+            times = single_request_latency(server.url, payload)
+        server_ms = server_means_ms(timing_before, server_timing_of(server))
+        rows.append(
+            {
+                "server": server.name,
+                "series": f"{payload.series}_sync",
+                "concurrency": 1,
+                "p50_ms": float(np.median(times)),
+                "p99_ms": float(np.percentile(times, 99)),
+                "throughput": 1e3 / float(np.mean(times)),
+                "mean_batch": 1.0,
+                "errors": 0,
+                "engine_fraction": None,
+                # where a lone request's time goes: the client's mean against the server's own means (ours:
+                # request, from the handler's start to its reply; queue; compute. Triton: TIMING_PARTS)
+                "mean_ms": float(np.mean(times)),
+                "server_mean_ms": server_ms,
+            }
+        )
+        print(
+            f"  {server.name:15s} {payload.series} one request at a time (blocking client): "
+            f"p50 {rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms mean {rows[-1]['mean_ms']:.3f}"
+            f" ms; server means {_fmt_parts(server_ms)}",
+            flush=True,
+        )
+    return rows
+
+
+@dataclass
+class Measured:
+    """One round of one load point: what the client saw and, from the server, samples and engine calls, cores
+    busy and time per stage over the same window."""
+
+    point: PointResult
+    counters: BatchCounters | None
+    cpu: dict[str, Any] | None
+    timing: dict[str, list[float]] | None
+
+
+def measure(server: Server, payload: Payload, concurrency: int, args: argparse.Namespace) -> Measured:
+    before, timing_before = server_counters(server), server_timing_of(server)
+    cpu_before = cpu_usage.snapshot(server.pid)
+    target = server.grpc_target if is_grpc(payload) else server.url
+    assert target is not None, f"{server.name} speaks no gRPC"
+    point = run_point(target, payload, concurrency, args.warmup, args.duration, procs=args.client_procs,
+                      client=args.client)
+    cpu = cpu_usage.usage(cpu_before, cpu_usage.snapshot(server.pid))
+    after = server_counters(server)
+    counters = after.since(before) if before and after and after.calls > before.calls else None
+    return Measured(point, counters, cpu, timing_delta(timing_before, server_timing_of(server)))
+
+
+def merged_row(server: str, payload: Payload, concurrency: int, rounds: Sequence[Measured], eng: EngineTable) -> dict:
+    """One row from a point's rounds: their requests and latencies pooled (throughput = samples / measured
+    seconds), samples and engine calls summed, cores busy averaged, stage times summed; per-round throughputs
+    kept where there were several."""
+    point = PointResult(
+        sum(m.point.requests for m in rounds), sum(m.point.errors for m in rounds),
+        sum(m.point.seconds for m in rounds), [lat for m in rounds for lat in m.point.latencies_ms],
+        next((m.point.first_error for m in rounds if m.point.first_error), None),
+    )
+    counters = None
+    for m in rounds:
+        if m.counters is not None:
+            counters = m.counters if counters is None else counters.plus(m.counters)
+    batch = float(payload.samples) if server == "naive" else (  # naive: one request = one inference
+        counters.samples / counters.calls if counters is not None and counters.calls else None)
+    row = _row(server, payload, concurrency, point, batch, eng, counters)
+    row["cpu"] = _mean_usage([m.cpu for m in rounds])
+    timings = [m.timing for m in rounds if m.timing]
+    if timings:
+        row["server_mean_ms"] = timing_means_ms(
+            {part: [sum(t[part][0] for t in timings), sum(t[part][1] for t in timings)] for part in timings[0]})
+    if len(rounds) > 1:
+        row["round_throughputs"] = [
+            m.point.requests * payload.samples / m.point.seconds if m.point.seconds else None for m in rounds]
+    return row
+
+
+def _mean_usage(usages: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Cores busy averaged over rounds of equal length (numbers averaged, the rest from the first)."""
+    present = [u for u in usages if u]
+    if not present:
+        return None
+    mean = dict(present[0])
+    for key, value in present[0].items():
+        values = [u.get(key) for u in present]
+        if isinstance(value, float) and all(isinstance(v, int | float) for v in values):
+            mean[key] = round(sum(values) / len(values), 3)
+    return mean
+
+
+def bench_servers(servers: Sequence[Server], usable: dict[str, Sequence[Payload]], args: argparse.Namespace,
+                  eng: EngineTable, rounds: int = 1) -> list[dict]:
+    """The servers started at once and measured side by side: lone requests first, then at each concurrency
+    ``rounds`` rounds in which every server runs every series it speaks (``usable``), the servers' order reversed
+    every other round, so that each sees the same minutes of the host. One row per server, series and
+    concurrency (``merged_row``)."""
+    rows: list[dict] = []
+    with running_together(servers, args.ready_timeout):
+        for server in servers:
+            rows.extend(lone_rows(server, usable[server.name]))
+        for concurrency in args.concurrency:
+            measured: dict[tuple[str, str], list[Measured]] = {}
+            for index in range(rounds):
+                for server in (servers if index % 2 == 0 else list(reversed(servers))):
+                    for payload in usable[server.name]:  # the series alternate too
+                        m = measure(server, payload, concurrency, args)
+                        measured.setdefault((server.name, payload.series), []).append(m)
+                        batch = m.counters.samples / m.counters.calls if m.counters and m.counters.calls else None
+                        throughput = m.point.requests * payload.samples / m.point.seconds if m.point.seconds else 0
+                        print(
+                            f"  {server.name:15s} {payload.series:11s} c={concurrency:3d}"
+                            f"{f' round {index + 1}' if rounds > 1 else ''}: {throughput:8.1f}/s "
+                            f"p50 {common.percentile(m.point.latencies_ms, 50):8.2f} ms "
+                            f"p99 {common.percentile(m.point.latencies_ms, 99):8.2f} ms batch {_fmt(batch)} "
+                            f"errors {m.point.errors}{cpu_usage.describe(m.cpu)}",
+                            flush=True,
+                        )
+            for server in servers:
+                for payload in usable[server.name]:
+                    rows.append(merged_row(server.name, payload, concurrency,
+                                           measured[server.name, payload.series], eng))
     return rows
 
 
@@ -952,7 +1137,28 @@ def summarize(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int]) 
         summary["ratios"].append(entry)
     ceilings = [r["throughput"] for r in rows if r["server"] == "client_ceiling"]
     summary["client_ceiling_max_throughput"] = max(ceilings, default=None)
+    summary["vs_triton"] = triton_ratios(rows)
     return summary
+
+
+def triton_ratios(rows: Sequence[dict]) -> list[dict[str, Any]]:
+    """Ours against Triton, one entry per our server (``service*``), series and clients that both were measured
+    at (lone requests as ``<series>_sync`` at 1): img/s, p50 and p99 of each and ours/Triton (img/s above 1 and
+    latency below 1: ours is ahead), and the mean batch each formed."""
+    triton = {(r["series"], r["concurrency"]): r for r in rows if r["server"] == "triton"}
+    entries = []
+    for ours in rows:
+        theirs = triton.get((ours["series"], ours["concurrency"]))
+        if not ours["server"].startswith("service") or theirs is None:
+            continue
+        entry: dict[str, Any] = {"server": ours["server"], "series": ours["series"],
+                                 "concurrency": ours["concurrency"]}
+        for key in ("throughput", "p50_ms", "p99_ms"):
+            entry[f"ours_{key}"], entry[f"triton_{key}"] = ours[key], theirs[key]
+            entry[f"{key}_ratio"] = _ratio(ours[key], theirs[key])
+        entry["ours_mean_batch"], entry["triton_mean_batch"] = ours.get("mean_batch"), theirs.get("mean_batch")
+        entries.append(entry)
+    return sorted(entries, key=lambda e: (e["server"], e["series"], e["concurrency"]))
 
 
 def _server_summary(rows: list[dict], eng: EngineTable, concurrencies: Sequence[int], server: str) -> dict[str, Any]:
@@ -1012,8 +1218,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="service,service_nobatch,naive",
         help="comma-separated, from: service, service_nobatch (SERVICE_MAX_BATCH_SIZE=1), naive, service_workers "
         "(SERVICE_WORKERS=--workers, one engine process), client_ceiling (bench/raw_http_server.py: what the load "
-        "generator can send)",
+        "generator can send), triton (Triton's own server with our engine in a Python-backend model, the bench "
+        "extra; it and our servers then run side by side in --rounds alternating rounds)",
     )
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds per load point of servers run side by side (with triton), order reversed "
+                        "every other round")
     parser.add_argument("--workers", type=int, default=4, help="worker processes of the service_workers server")
     parser.add_argument("--series", default="binary,json",
                         help="comma-separated: binary, json, grpc (unary ModelInfer), grpc_stream (ModelStreamInfer), "
@@ -1035,6 +1245,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.servers = [s for s in args.servers.split(",") if s]
     args.series = [s for s in args.series.split(",") if s]
     return args
+
+
+def server_groups(names: Sequence[str]) -> list[list[str]]:
+    """The servers in the order given, those run side by side grouped: with ``triton`` listed, Triton and our
+    servers (``service*``) run at once in alternating rounds, at the place of the first of them; every other
+    server, and every server of a run without Triton, runs alone."""
+    together = [n for n in names if n == "triton" or n.startswith("service")] if "triton" in names else []
+    groups: list[list[str]] = []
+    for name in names:
+        if name not in together:
+            groups.append([name])
+        elif name == together[0]:
+            groups.append(together)
+    return groups
 
 
 def resolve_device(requested: str) -> str:
@@ -1096,12 +1320,15 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
     variant_env = {**SERVICE_VARIANT_ENV, "service_workers": {"SERVICE_WORKERS": str(args.workers)}}
     for name, env in variant_env.items():
         servers[name] = lambda name=name, env=env: service_server(name, model_dir, device, logs, **env)
+    servers["triton"] = lambda: triton_server(model_dir, device, logs, work, meta)
     out = args.out or common.RESULTS_DIR / f"service-{head['date']}-{device}.json"
-    for index, name in enumerate(args.servers):
-        server = servers[name]()
-        usable = [p for p in payloads if any(fnmatch.fnmatch(p.series, pat) for pat in SERIES_OF.get(name, "*"))]
-        rows.extend(bench_server(server, usable, args, eng))
-        if index + 1 < len(args.servers):  # kept so far: a run cut short by its time limit still leaves them
+    groups = server_groups(args.servers)
+    for index, group in enumerate(groups):
+        usable = {name: [p for p in payloads if any(fnmatch.fnmatch(p.series, pat) for pat in SERIES_OF.get(name, "*"))]
+                  for name in group}
+        rows.extend(bench_servers([servers[name]() for name in group], usable, args, eng,
+                                  rounds=args.rounds if len(group) > 1 else 1))
+        if index + 1 < len(groups):  # kept so far: a run cut short by its time limit still leaves them
             _write(rows, eng, args, head, device, load_start, out, partial=True)
     path, summary = _write(rows, eng, args, head, device, load_start, out, partial=False)
     _print_tables(rows, eng, summary)
@@ -1145,9 +1372,24 @@ def _write(
         },
         "rows": rows,
         "summary": summary,
+        "triton": triton_setup(args, rows),
         "partial": partial,
     }
     return common.write_result("service", document, head=head, path=out), summary
+
+
+def triton_setup(args: argparse.Namespace, rows: Sequence[dict]) -> dict[str, Any] | None:
+    """What the Triton rows ran (None without them): the wheel, the servers run beside it, rounds."""
+    if not any(r["server"] == "triton" for r in rows):
+        return None
+    return {
+        "server": f"tritonserver from nvidia-pytriton {common.package_version('nvidia-pytriton') or '?'} "
+        "(bench/triton_repository.py)",
+        "model": "Python backend, one instance, dynamic batching with our max batch and queue delay; model.py "
+        "(bench/triton_model.py) runs our stored engine (load_served_engine), tensors by DLPack",
+        "side_by_side_with": next((g for g in server_groups(args.servers) if "triton" in g), []),
+        "rounds": args.rounds,
+    }
 
 
 def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -> None:
@@ -1170,7 +1412,7 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
     ]
     common.print_table(rows, columns, title="servers (throughput in samples/s)", digits=2)
     for name, part in [("service", summary), *summary["variants"].items()]:
-        skip = ("ratios", "targets", "variants", "client_ceiling_max_throughput")
+        skip = ("ratios", "targets", "variants", "client_ceiling_max_throughput", "vs_triton")
         scalars = [{"figure": k, "value": v} for k, v in part.items() if k not in skip]
         scalars += [{"figure": f"target {k}", "value": v} for k, v in part["targets"].items()]
         common.print_table(scalars, ["figure", "value"], title=f"summary: {name}", digits=3)
@@ -1187,6 +1429,12 @@ def _print_tables(rows: list[dict], eng: EngineTable, summary: dict[str, Any]) -
         *(["service_binary_vs_client_ceiling"] if summary["client_ceiling_max_throughput"] else []),
     ]
     common.print_table(summary["ratios"], ratio_columns, title="throughput ratios (same run)", digits=2)
+    if summary["vs_triton"]:
+        columns = ["server", "series", "concurrency", "ours_throughput", "triton_throughput", "throughput_ratio",
+                   "ours_p50_ms", "triton_p50_ms", "p50_ms_ratio", "ours_p99_ms", "triton_p99_ms", "p99_ms_ratio",
+                   "ours_mean_batch", "triton_mean_batch"]
+        common.print_table(summary["vs_triton"], columns, title="ours / Triton (same run, alternating rounds)",
+                           digits=2)
 
 
 if __name__ == "__main__":

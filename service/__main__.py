@@ -28,9 +28,11 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from service.errors import ServiceError
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import load_model_file, save_model_file
+    from service.registry.acceptance import validate_model
 
     try:
         model = load_model_file(Path(args.input), external_data=True)
+        validate_model(model)  # the upload's acceptance rules: the CLI refuses what the server would
         optimized, report = optimize(model, OptimizerConfig(fused_conv=args.fused_conv, verify=not args.no_verify))
     except ServiceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

@@ -36,7 +36,7 @@ from service.errors import (
 )
 from service.image_requests import ImageDecoder
 from service.imaging.config import MAX_TOP_K
-from service.model_config import ModelConfig
+from service.model_config import BACKEND, PLATFORM, ModelConfig, triton_parameters
 from service.registry.acceptance import validate_model_name
 from service.registry.manager import ModelManager
 from service.registry.repository import Repository
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
 
 SERVER_NAME = "onnx-cnn-serve"
-PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"]
 UNSUPPORTED = {
     "trace": "the trace extension",
@@ -257,30 +256,48 @@ class DataPlane:
         return self.manager.table.get(check_name(name), parse_version(version))
 
     def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """The version's configuration in Triton's model-config shape (what tritonclient reads)."""
+        """The version's configuration in Triton's model-config shape (what tritonclient reads), the keys that
+        Triton has no field for as its ``parameters``: an upload takes it unchanged as a config
+        (``model_config.from_triton``)."""
         mv = self.find(name, version)
         batched = mv.signature.batchable  # Triton: max_batch_size 0 means the dims are the whole tensors
         return {
             "name": mv.name,
             "platform": PLATFORM,
-            "backend": "onnxruntime",
+            "backend": BACKEND,
             "max_batch_size": mv.max_batch_size if batched else 0,
             "input": [{**_tensor_config(s, batched), "format": "FORMAT_NONE"} for s in mv.signature.inputs],
             "output": [_tensor_config(s, batched) for s in mv.signature.outputs],
-            "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_s * 1e6)},
+            "dynamic_batching": {"max_queue_delay_microseconds": round(mv.config.max_delay_ms * 1000)},
             "version_policy": {"latest": {"num_versions": 1}},
+            "parameters": triton_parameters(mv.config.to_dict()),
         }
 
     # ------------------------------------------------------------------ inference
     def model_for_infer(self, name: str | None, version: str | int | None = None) -> ModelVersion:
-        """The READY version a request addresses (the only model when no name is given): ``version`` as text
-        (``parse_version``) or as a number (``version_number``)."""
+        """The READY version a request addresses (``unnamed_model`` when no name is given): ``version`` as
+        text (``parse_version``) or as a number (``version_number``)."""
         number = parse_version(version) if version is None or isinstance(version, str) else version_number(version)
-        table = self.manager.table
         if name is None:
-            only = table.only_model()
-            return only if number is None or number == only.version else table.get(only.name, number)
-        return table.get(check_name(name), number)
+            return self.unnamed_model(number)
+        return self.manager.table.get(check_name(name), number)
+
+    def unnamed_model(self, number: int | None = None) -> ModelVersion:
+        """The version a request that names no model gets (REST ``/predict``): ``SERVICE_DEFAULT_MODEL``'s while
+        this server holds that model (a second upload does not change where such requests go), else the only
+        model ready; with several and none of them the default, a 400 that names the models and the setting."""
+        table = self.manager.table
+        preferred = self.manager.settings.default_model
+        if preferred is not None and preferred in table.names():
+            return table.get(preferred, number)
+        ready = table.ready_names()
+        if len(ready) == 1:
+            return table.get(ready[0], number)
+        if not ready:
+            raise BadRequestError("no model is loaded: upload one first")
+        default = "is not set" if preferred is None else f"({preferred}) is not one of them"
+        raise BadRequestError(f"several models are loaded and SERVICE_DEFAULT_MODEL {default}: name one of "
+                              f"{', '.join(ready)} ('model' in the body, or ?model=)")
 
     async def infer(self, mv: ModelVersion, request: InferenceRequest, *, alone: bool = False) -> InferenceResult:
         """Run a request that passed ``mv.signature``; ``alone``: the caller knows of no other in progress."""

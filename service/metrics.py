@@ -13,7 +13,8 @@ workers, loaded models the maximum), so a scrape that reaches any worker sees th
 Label values are bounded: ``model`` is only ever the name of a model that exists (the protocols pass ""
 when a request named an unknown model), ``endpoint``, ``protocol`` ("rest" or "grpc") and ``outcome`` come
 from fixed sets (route or RPC names and ``ServiceError.code``), so a client cannot grow the series count;
-``reason`` of refused connections is one of ``REFUSAL_REASONS``.
+``reason`` of refused connections is one of ``REFUSAL_REASONS``; ``phase`` of a load one of
+``runtime.phases.PHASES`` or "total".
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
+from service.runtime.phases import PHASES, LoadPhases
 
 # Seconds: from 100 us (an engine call of a tiny model) to 30 s (the default request timeout).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -98,6 +101,11 @@ class Metrics:
         self.loaded_models = Gauge(
             "service_loaded_models", "Model versions loaded and ready.", registry=r, multiprocess_mode="livemax"
         )
+        self.load_seconds = Gauge(
+            "service_model_load_seconds", "How long a model version's last load took, by phase (optimize, read, "
+            "tune, session, warm, activate) and in total; 0 for a phase it did not run.",
+            ["model", "version", "phase"], registry=r, multiprocess_mode="livemax",
+        )
         self.devices = Gauge(
             "service_devices", "Devices the server serves on (one engine process each when there are several; "
             "service_devices_serving says how many of them serve now).", registry=r, multiprocess_mode="livemax",
@@ -126,6 +134,12 @@ class Metrics:
 
     def set_loaded_models(self, count: int) -> None:
         self.loaded_models.set(count)
+
+    def observe_load(self, model: str, version: int, phases: LoadPhases) -> None:
+        """Every phase of the version's load (0 where it did not run) and the total."""
+        for phase in (*PHASES, "total"):
+            seconds = phases.total_s if phase == "total" else phases.seconds.get(phase, 0.0)
+            self.load_seconds.labels(model, str(version), phase).set(seconds)
 
     def set_devices(self, count: int) -> None:
         self.devices.set(count)
@@ -162,6 +176,9 @@ class Metrics:
         self._children.forget(self.queue_depth, model, str(version))
         with contextlib.suppress(KeyError):
             self.queue_depth.remove(model, str(version))
+        for phase in (*PHASES, "total"):
+            with contextlib.suppress(KeyError):
+                self.load_seconds.remove(model, str(version), phase)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (every live worker's values with several workers)."""

@@ -10,36 +10,64 @@ server does with images a client sends (decode, resize, crop, normalise) and wit
 (softmax, top-k, labels). They are checked against the model when it is uploaded (the registry's
 ``image_config``). With ``preprocess.wire_dtype`` uint8 (the default) the normalisation is folded into the
 served graph, so it is part of the optimizer's cache key (``EffectiveConfig.graph_fields``).
+
+One vocabulary: what a server shows of a version's config can be uploaded unchanged as the config of a new
+one. ``GET /v1/models/{name}`` shows ``EffectiveConfig.to_dict()``, a ``ModelConfig`` with every key set
+(the labels counted, ``postprocess.label_count``); ``GET /v2/models/{name}/config`` shows Triton's model
+config, with the other keys as Triton ``parameters``, which ``ModelConfig`` reads back (``from_triton``).
+Names of earlier releases (``DEPRECATED``) are still read, with one warning per config that uses them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.imaging.config import Postprocess, Preprocess
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
+from service.optimizer.tolerance import DEFAULT_ATOL, DEFAULT_RTOL, FP16_ATOL, FP16_RTOL
 from service.settings import Buckets, MaxBatchSize, MaxDelayMs, Precision, QueueSize, ServiceSettings, TimeoutS
+
+log = logging.getLogger(__name__)
 
 MAX_DESCRIPTION = 1000
 """Longest model description, in characters."""
+PLATFORM, BACKEND = "onnxruntime_onnx", "onnxruntime"
+"""What Triton's model config calls this server's models."""
+DEPRECATED: dict[str, str | None] = {"max_delay_s": "max_delay_ms", "tolerance": "verify_tolerance", "verify": None}
+"""Keys that earlier releases showed in a version's config, still read from an upload's: the key that replaced
+each (``max_delay_s`` in seconds becomes ``max_delay_ms``), or None: ignored, as verification is the server's
+``SERVICE_VERIFY``, never a model's."""
+TRITON_KEYS = frozenset({"name", "platform", "backend", "input", "output", "dynamic_batching", "version_policy",
+                         "parameters"})
+"""Keys of Triton's model config (``GET /v2/models/{name}/config``) that mark a config written in its shape."""
 
 
 class VerifyTolerance(BaseModel):
     """A model's own verification tolerance (``service.optimizer.verify``: an element matches when
-    ``|optimized - original| <= atol + rtol * scale``). The report records the tolerance every verification
-    used, and a looser one than the default is logged; verification itself cannot be switched off per model."""
+    ``|optimized - original| <= atol + rtol * scale``). A field left out takes the default of the precision
+    the model computes in (``service.optimizer.tolerance``). The report records the tolerance every
+    verification used and where it came from, and one looser than the default is logged; verification
+    itself cannot be switched off per model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rtol: float = Field(DEFAULT_RTOL, ge=0.0, le=0.1, description=f"Relative tolerance (default {DEFAULT_RTOL:g}).")
-    atol: float = Field(DEFAULT_ATOL, ge=0.0, le=1.0, description=f"Absolute tolerance (default {DEFAULT_ATOL:g}).")
+    rtol: float | None = Field(
+        None, ge=0.0, le=0.1,
+        description=f"Relative tolerance (default: {DEFAULT_RTOL:g} for fp32 graphs, {FP16_RTOL:g} for fp16).",
+    )  # fmt: skip
+    atol: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description=f"Absolute tolerance (default: {DEFAULT_ATOL:g} for fp32 graphs, {FP16_ATOL:g} for fp16).",
+    )  # fmt: skip
 
     @property
-    def is_default(self) -> bool:
-        return self.rtol == DEFAULT_RTOL and self.atol == DEFAULT_ATOL
+    def is_set(self) -> bool:
+        """Some field was given (an empty one leaves both to the precision's default)."""
+        return self.rtol is not None or self.atol is not None
 
 
 class ModelConfig(BaseModel):
@@ -64,21 +92,49 @@ class ModelConfig(BaseModel):
         None, description="The model is a classifier: softmax, top-k and labels of its first output."
     )
     verify_tolerance: VerifyTolerance | None = Field(
-        None, description="The model's own verification tolerance, {\"rtol\", \"atol\"} (e.g. an fp16-trained "
-        "model whose outputs differ by more than 1e-4 relative after fusion); recorded in the report."
+        None, description="The model's own verification tolerance, {\"rtol\", \"atol\"}; what it leaves out "
+        "follows the precision the graph computes in (fp32: rtol 1e-4, atol 1e-5; fp16: 5e-3, 5e-4). Recorded in the "
+        "report with that precision."
     )
     description: str | None = Field(
         None, max_length=MAX_DESCRIPTION, description="What the model is, for people (shown with the model)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_vocabulary(cls, data: Any) -> Any:
+        """Triton's shape and the deprecated keys, read as the keys above (see the module's docstring)."""
+        if not isinstance(data, dict):
+            return data
+        if TRITON_KEYS & data.keys():
+            data = from_triton(data)
+        return _renamed(data)
+
+    def shown(self) -> dict[str, Any]:
+        """Every key, JSON-able, with the labels counted (``postprocess.label_count``), not listed: what
+        ``GET /v1/models/{name}`` shows, and a config an upload takes unchanged."""
+        data = self.model_dump(mode="json")
+        if self.postprocess is not None:
+            data["postprocess"] = self.postprocess.model_dump(mode="json", exclude={"labels"})
+        return data
+
+    def check_complete(self) -> None:
+        """ValueError when the config counts labels that were not given (``postprocess.label_count`` alone)."""
+        post = self.postprocess
+        if post is not None and post.awaiting_labels:
+            raise ValueError(f"postprocess.label_count is {post.label_count}, but no labels were given: send them "
+                             "(the labels field of a multipart upload; GET /v1/models/{name}/labels lists a model's) "
+                             "or leave label_count out")
+
     def to_dict(self) -> dict[str, Any]:
         """The fields that were set (JSON-able), as stored in the metadata. ``preprocess`` and
-        ``postprocess`` keep their null fields (a null ``resize`` means "no resize", not the default)."""
+        ``postprocess`` keep their null fields (a null ``resize`` means "no resize", not the default); the
+        labels are stored, their count is not (it follows from them)."""
         data = self.model_dump(mode="json", exclude_none=True, exclude={"preprocess", "postprocess"})
-        for key in ("preprocess", "postprocess"):
-            value = getattr(self, key)
-            if value is not None:
-                data[key] = value.model_dump(mode="json")
+        if self.preprocess is not None:
+            data["preprocess"] = self.preprocess.model_dump(mode="json")
+        if self.postprocess is not None:
+            data["postprocess"] = self.postprocess.model_dump(mode="json", exclude={"label_count"})
         return data
 
     def with_labels(self, labels: tuple[str, ...]) -> ModelConfig:
@@ -99,7 +155,7 @@ class ModelConfig(BaseModel):
         SERVICE_MAX_BATCH_SIZE=1 turns batching off for every model)."""
         return EffectiveConfig(
             max_batch_size=min(_pick(self.max_batch_size, settings.max_batch_size), settings.max_batch_size),
-            max_delay_s=_pick(self.max_delay_ms, settings.max_delay_ms) / 1000.0,
+            max_delay_ms=_pick(self.max_delay_ms, settings.max_delay_ms),
             queue_size=_pick(self.queue_size, settings.queue_size),
             timeout_s=_pick(self.timeout_s, settings.request_timeout_s),
             precision=_pick(self.precision, settings.precision),
@@ -108,7 +164,8 @@ class ModelConfig(BaseModel):
             verify=settings.verify,
             preprocess=self.preprocess,
             postprocess=self.postprocess,
-            tolerance=self.verify_tolerance or VerifyTolerance(),
+            verify_tolerance=self.verify_tolerance if self.verify_tolerance and self.verify_tolerance.is_set else None,
+            description=self.description,
         )
 
 
@@ -116,21 +173,99 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the ``DEPRECATED`` keys replaced, and one warning naming them."""
+    old = [key for key in DEPRECATED if key in data]
+    if not old:
+        return data
+    data = dict(data)
+    advice = []
+    for key in old:
+        value, new = data.pop(key), DEPRECATED[key]
+        if new is None:
+            advice.append(f"{key} is ignored (verification is the server's SERVICE_VERIFY)")
+            continue
+        if new in data:
+            raise ValueError(f"{key} and {new} are one setting: give {new} only")
+        if key == "max_delay_s" and isinstance(value, int | float) and not isinstance(value, bool):
+            value = value * 1000.0
+        data[new] = value
+        advice.append(f"{key} is now {new}")
+    log.warning("model config: deprecated keys: %s", "; ".join(advice))
+    return data
+
+
+def from_triton(doc: dict[str, Any]) -> dict[str, Any]:
+    """Triton's model config as ``GET /v2/models/{name}/config`` shows it (REST or gRPC JSON), as our keys:
+    ``max_batch_size`` (0: the model has no batch dimension, so the default), ``dynamic_batching``'s queue
+    delay as ``max_delay_ms``, and every other key from ``parameters`` (``{"string_value": JSON}``). The
+    fields that describe the model file (``name``, ``input``, ``output``, ``version_policy``) are read from
+    the uploaded file itself, so they are not settings; a platform other than ONNX Runtime's is refused."""
+    unknown = sorted(doc.keys() - TRITON_KEYS - {"max_batch_size"})
+    if unknown:
+        raise ValueError(f"a config in Triton's shape has no field {', '.join(unknown)}")
+    for key, ours in (("platform", PLATFORM), ("backend", BACKEND)):
+        if doc.get(key) not in (None, "", ours):
+            raise ValueError(f"{key} must be {ours!r}: this server serves ONNX models with ONNX Runtime")
+    data = _parameters(doc.get("parameters") or {})
+    if "max_batch_size" in doc:
+        batch = doc["max_batch_size"]
+        data["max_batch_size"] = None if batch == 0 else batch
+    delay = (doc.get("dynamic_batching") or {}).get("max_queue_delay_microseconds")
+    if delay is not None:
+        try:
+            data["max_delay_ms"] = int(delay) / 1000.0  # gRPC's JSON writes a uint64 as a string
+        except (TypeError, ValueError):
+            raise ValueError("dynamic_batching.max_queue_delay_microseconds must be an integer") from None
+    return data
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """Triton ``parameters`` (``{key: {"string_value": JSON text}}``) -> {key: value}."""
+    if not isinstance(parameters, dict):
+        raise ValueError("parameters must be an object of {\"string_value\": ...}")
+    data = {}
+    for key, parameter in parameters.items():
+        if key in ("max_batch_size", "max_delay_ms"):
+            raise ValueError(f"{key} is Triton's own field, not a parameter")
+        text = parameter.get("string_value") if isinstance(parameter, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"parameters.{key} must be {{\"string_value\": ...}}")
+        try:
+            data[key] = json.loads(text)
+        except ValueError:
+            data[key] = text  # a plain string (e.g. a description) may be written without quotes
+    return data
+
+
+def triton_parameters(shown: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The keys of a shown config that Triton's model config has no field for, as its ``parameters``."""
+    return {key: {"string_value": json.dumps(value)} for key, value in shown.items()
+            if key not in ("max_batch_size", "max_delay_ms")}
+
+
 @dataclasses.dataclass(frozen=True)
 class EffectiveConfig:
     """A model's resolved configuration."""
 
     max_batch_size: int
-    max_delay_s: float
+    max_delay_ms: float
     queue_size: int
     timeout_s: float
     precision: str
     buckets: tuple[int, ...]
     fused_conv: bool
     verify: bool
+    """The server's SERVICE_VERIFY (part of the cache key; not a model's setting, so not shown with it)."""
     preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
-    tolerance: VerifyTolerance = dataclasses.field(default_factory=lambda: VerifyTolerance())
+    verify_tolerance: VerifyTolerance | None = None
+    """The model's own verification tolerance; None: the default of the graph's precision."""
+    description: str | None = None
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
 
     @property
     def folds_normalization(self) -> bool:
@@ -143,8 +278,8 @@ class EffectiveConfig:
         The folded normalisation is listed only when there is one, so a model without it keeps the key
         it had before image models existed."""
         fields: dict[str, Any] = {"fused_conv": self.fused_conv, "verify": self.verify}
-        if not self.tolerance.is_default:  # listed only when set, so other models keep their keys
-            fields["verify_tolerance"] = self.tolerance.model_dump()
+        if self.verify_tolerance is not None:  # listed only when set, so other models keep their keys
+            fields["verify_tolerance"] = self.verify_tolerance.model_dump(exclude_none=True)
         if self.folds_normalization:
             assert self.preprocess is not None
             p = self.preprocess
@@ -153,13 +288,12 @@ class EffectiveConfig:
         return fields
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able, for the management API: the labels are counted, not listed (see the labels route)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["buckets"] = list(self.buckets)
-        data["tolerance"] = self.tolerance.model_dump()
-        data["preprocess"] = None if self.preprocess is None else self.preprocess.model_dump(mode="json")
-        post = self.postprocess
-        data["postprocess"] = None if post is None else {
-            "softmax": post.softmax, "top_k": post.top_k, "label_count": 0 if post.labels is None else len(post.labels)
-        }
-        return data
+        """What the management API shows: ``ModelConfig.shown()`` of the resolved values, every key set, so
+        that it can be uploaded unchanged as a new version's config (a tolerance left to the graph's precision
+        shows as nulls)."""
+        return ModelConfig(
+            max_batch_size=self.max_batch_size, max_delay_ms=self.max_delay_ms, queue_size=self.queue_size,
+            timeout_s=self.timeout_s, precision=self.precision, buckets=self.buckets,  # type: ignore[arg-type]
+            fused_conv=self.fused_conv, preprocess=self.preprocess, postprocess=self.postprocess,
+            verify_tolerance=self.verify_tolerance or VerifyTolerance(), description=self.description,
+        ).shown()

@@ -76,6 +76,11 @@ class ServiceSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     demo_model: bool = Field(True, description="Install the demo model (mobilenet_v3_large) in a fresh store.")
+    default_model: str | None = Field(
+        "mobilenet_v3_large", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="The model a POST /predict that names none goes to, while the server holds it (else: the "
+        "only model loaded); empty: always the only model loaded.",
+    )
     max_request_mb: int = Field(64, ge=1, le=4096, description="Largest inference request body, in MiB (413).")
     max_upload_mb: int = Field(512, ge=1, le=16384, description="Largest model upload, in MiB (413).")
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
@@ -108,12 +113,19 @@ class ServiceSettings(BaseSettings):
         DEFAULT_BUCKETS, **_advanced("Batch-size buckets: one IO binding and CUDA graph each; a batch is padded up "
                                      "to the next bucket.")
     )
-    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
-        "EXHAUSTIVE", **_advanced("cuDNN convolution algorithm search (EXHAUSTIVE costs time at load only).")
+    cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
+        "auto", **_advanced("cuDNN convolution algorithm search. auto: HEURISTIC (the cheaper search to warm up) "
+                            "serves at once; once the model serves, the chosen configuration is timed with EXHAUSTIVE "
+                            "against HEURISTIC at every bucket in the background, and a restart on the same GPU and "
+                            "ONNX Runtime serves HEURISTIC unless EXHAUSTIVE was over 3 % faster at a bucket. Any "
+                            "other value is used as set.")
     )
     tune_budget_s: float = Field(
-        60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model on the GPU timing "
-                                             "its candidate variants (0: serve the first one untimed).")
+        60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model timing its candidate "
+                                             "configurations, each in a child process (the first always runs; "
+                                             "ones known to fault this GPU are skipped; the cuDNN search "
+                                             "comparison runs after the model serves). 0: serve the first one "
+                                             "untimed.")
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
     verify: bool = Field(
@@ -140,6 +152,11 @@ class ServiceSettings(BaseSettings):
         if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", ""):
             return None
         return value
+
+    @field_validator("default_model", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -217,7 +234,7 @@ REMOVED: dict[str, str] = {
     "BATCHING__MAX_DELAY_MS": "SERVICE_MAX_DELAY_MS",
     "BATCHING__QUEUE_SIZE": "SERVICE_QUEUE_SIZE",
     "BATCHING__TIMEOUT_S": "SERVICE_REQUEST_TIMEOUT_S",
-    "BATCHING__INLINE_MAX_MS": "a lone request runs on the event loop when the engine took under 1 ms",
+    "BATCHING__INLINE_MAX_MS": "a lone request skips the queue when the engine took under 1 ms",
     "ENGINE__DEVICE": "SERVICE_DEVICE",
     "ENGINE__DEVICE_ID": "SERVICE_DEVICES",
     "DEVICE_ID": "SERVICE_DEVICES (a comma list of CUDA ordinals, or all)",
@@ -244,6 +261,7 @@ REMOVED: dict[str, str] = {
     "HTTP_GATHER_WRITES": "each response always leaves in one write",
     "GIL_SWITCH_INTERVAL_MS": "the server sets 0.5 ms",
     "HEAP_KEEP_MB": "the server keeps 256 MiB of freed heap",
+    "BUSY_POLL_US": "it measured no gain (docs/benchmarks.md)",
 }
 """Variables of earlier releases (without the prefix) and what replaced them: a variable, or why none."""
 _OLD_GROUPS = ("BATCHING__", "ENGINE__", "OPTIMIZER__")

@@ -6,7 +6,8 @@ because they reveal only signatures and optimization reports (never a server pat
 Uploads are streamed: the raw body (``application/octet-stream``) or the ``file`` field of a multipart
 form (parsed incrementally; Starlette's form parser would spool the whole file first) goes chunk by
 chunk into a staging file in the store, with the size limit checked as bytes arrive. The optional
-per-model config (JSON of ``ModelConfig``) comes as the ``config`` query parameter, the
+per-model config (JSON of ``ModelConfig``: what ``GET /v1/models/{name}`` shows of a version's config, or
+Triton's ``GET /v2/models/{name}/config``, uploads unchanged) comes as the ``config`` query parameter, the
 ``X-Model-Config`` header or the multipart ``config`` field; the first two are checked before a single
 body byte is read. A classifier's labels come in the config (``postprocess.labels``) or as the multipart
 ``labels`` field: a UTF-8 text file, one label per line in class-index order (at most
@@ -178,11 +179,16 @@ async def _receive_and_upload(request: Request, name: str, config: str | None) -
                 model_config = with_labels(model_config or ModelConfig(), fields["labels"])
         else:
             await stream_raw_upload(request, staged, limit, timeout_s=timeout_s)
+        model_config = model_config or ModelConfig()
+        try:
+            model_config.check_complete()
+        except ValueError as exc:
+            raise UnprocessableError(f"invalid model config: {exc}") from None
     except BaseException:
         with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
             staged.unlink(missing_ok=True)
         raise
-    return await dataplane.upload(name, staged, model_config or ModelConfig())
+    return await dataplane.upload(name, staged, model_config)
 
 
 @router.get("/v1/models", summary="All models and their versions")

@@ -18,6 +18,7 @@ from service.registry.acceptance import MODEL_NAME_PATTERN
 MAX_RANK = 32  # numpy allows 64; no CNN tensor comes near either
 MAX_TENSORS = 64  # inputs or requested outputs in one request
 MAX_NAME_LEN = 256
+UNNAMED = "Model name; default: the server's SERVICE_DEFAULT_MODEL while it holds it, else the only model loaded."
 
 Dim = Annotated[StrictInt, Field(ge=0, le=2**62)]
 TensorName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
@@ -34,7 +35,7 @@ class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
-        None, pattern=MODEL_NAME_PATTERN, description="Model name; may be omitted when one model is loaded."
+        None, pattern=MODEL_NAME_PATTERN, description=UNNAMED
     )
     version: Any = Field(
         None, description="Version: a positive integer, as on every route; default: the latest.",
@@ -51,7 +52,7 @@ class PredictImagesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
-        None, pattern=MODEL_NAME_PATTERN, description="Model name; may be omitted when one model is loaded."
+        None, pattern=MODEL_NAME_PATTERN, description=UNNAMED
     )
     version: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="Version; default: latest.")
     image: str | None = Field(None, description="One image, base64 (standard alphabet, padded, no line breaks) "

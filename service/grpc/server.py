@@ -30,6 +30,10 @@ log = logging.getLogger("service.grpc")
 MIB = 1024 * 1024
 
 
+PORT_HINT = "set SERVICE_GRPC_PORT to a free port (0: any free one) or to off (no gRPC)"
+"""What a server that cannot bind its gRPC port tells the operator (a second server on one host needs it)."""
+
+
 class GrpcBindError(OSError):
     """The gRPC port could not be bound (in use, or not an address of this host)."""
 
@@ -77,9 +81,9 @@ class GrpcServer:
                 port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a failed bind this way
             raise GrpcBindError(f"cannot listen for gRPC on {address}: the port is in use or the address is not "
-                                "this host's") from exc
+                                f"this host's; {PORT_HINT}") from exc
         if port == 0:
-            raise GrpcBindError(f"cannot listen for gRPC on {address}")
+            raise GrpcBindError(f"cannot listen for gRPC on {address}; {PORT_HINT}")
         await server.start()
         self._server, self.port = server, port
         return port

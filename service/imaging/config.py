@@ -207,6 +207,32 @@ class Postprocess(BaseModel):
         description=f"One label per class, in class-index order: 1..{MAX_LABELS} labels of 1..{MAX_LABEL_LENGTH} "
         "characters without control characters; null: report class indices only.",
     )
+    label_count: int | None = Field(
+        None, ge=0, le=MAX_LABELS,
+        description="How many labels there are: what GET shows instead of the labels (GET .../labels lists "
+        "them). Sent with an upload, it must match the labels given; 0 or null: none.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count_labels(cls, data: object) -> object:
+        """``label_count`` always says how many ``labels`` there are; a count sent without the labels stays
+        (``awaiting_labels``) until a labels file supplies them."""
+        if not isinstance(data, dict):
+            return data
+        labels, count = data.get("labels"), data.get("label_count")
+        if isinstance(labels, list | tuple):
+            if count is not None and count != len(labels):
+                raise ValueError(f"label_count is {count}, but {len(labels)} labels are given")
+            return {**data, "label_count": len(labels)}
+        if labels is None and count == 0:
+            return {**data, "label_count": None}
+        return data
+
+    @property
+    def awaiting_labels(self) -> bool:
+        """A label count was given without the labels (an upload must then send them)."""
+        return self.labels is None and self.label_count is not None
 
     @field_validator("labels")
     @classmethod

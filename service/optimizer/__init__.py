@@ -23,7 +23,8 @@ from service.optimizer.passes.fold_input_normalization import InputNormalization
 from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
 from service.optimizer.shapes import batched_outputs, declare_batch_dims
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, check_tolerance, verify_equivalent
+from service.optimizer.tolerance import USER, check_tolerance, is_looser
+from service.optimizer.verify import verify_equivalent
 from service.optimizer.verify_normalization import verify_input_normalization
 
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
@@ -56,11 +57,12 @@ class OptimizerConfig:
     verify_batch_sizes: tuple[int, ...] = (1, 2)
     verify_trials: int = 2
     """Input sets per batch size (at least one of each input kind for models with NMS/TopK)."""
-    rtol: float = DEFAULT_RTOL
-    atol: float = DEFAULT_ATOL
+    rtol: float | None = None
+    atol: float | None = None
     """The verification tolerance, for every comparison (ordered outputs and sets of detections alike; see
-    ``service.optimizer.verify``). A per-model override: the report records it and says when it is looser
-    than the default, and a looser one is logged as a warning."""
+    ``service.optimizer.verify``). None: the default of the precision the model computes in
+    (``service.optimizer.tolerance``). Set, it is the model's own: the report records it and says when it
+    is looser than that default, and a looser one is logged as a warning."""
     max_iterations: int = 8
     seed: int = 0
     input_normalization: InputNormalization | None = None
@@ -104,22 +106,23 @@ def optimize(
     report.opset_after = default_opset(optimized)
     report.ops_after = op_histogram(optimized)
     if config.verify:
-        if config.rtol > DEFAULT_RTOL or config.atol > DEFAULT_ATOL:
-            log.warning(
-                "verifying with a looser tolerance than the default: rtol %g, atol %g", config.rtol, config.atol
-            )
         tolerances = {"batch_sizes": config.verify_batch_sizes, "trials": config.verify_trials,
                       "rtol": config.rtol, "atol": config.atol, "seed": config.seed}  # fmt: skip
         if config.input_normalization is not None:
             result = verify_input_normalization(model, optimized, config.input_normalization, **tolerances)
         else:
             result = verify_equivalent(model, optimized, **tolerances)
+        if result.tolerance_source == USER and is_looser(result.rtol, result.atol, result.precision):
+            log.warning("verified with a looser tolerance than the %s default: rtol %g, atol %g", result.precision,
+                        result.rtol, result.atol)
         report.verified = True
         report.max_abs_diff = result.max_abs_diff
         report.max_rel_diff = result.max_rel_diff
         report.verify_batch_sizes = list(result.batch_sizes)
         report.verify_rtol, report.verify_atol = result.rtol, result.atol
+        report.verify_precision, report.verify_tolerance_source = result.precision, result.tolerance_source
         report.verify_input_kinds = list(result.input_kinds)
+        report.verify_skipped_kinds = dict(result.skipped_kinds)
         report.verify_unordered_rows = {name: list(rows) for name, rows in result.unordered_rows.items()}
         report.verify_selection_inputs = list(result.selection_inputs)
         report.verify_fed_selections = list(result.fed_selections)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 import onnx
@@ -63,10 +63,12 @@ def _load_external_data(model: onnx.ModelProto, folder: Path) -> None:
 
 
 def save_model_file(model: onnx.ModelProto, path: Path) -> None:
-    """Write atomically: temp file in the same folder, fsync, rename."""
+    """Write atomically: temp file in the same folder, fsync, rename. The file is readable like any other
+    the user writes (0644 less the umask), not private as ``tempfile.mkstemp`` would make it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(model.SerializeToString())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import onnx_graphsurgeon as gs
 
@@ -36,17 +36,26 @@ from service.optimizer.passes.fuse_se_block_into_fused_op import fuse_se_block_i
 from service.optimizer.passes.sink_conv_bias import sink_conv_bias
 
 if TYPE_CHECKING:
-    from service.optimizer import OptimizerConfig
     from service.optimizer.report import PassStat
 
 Pass = Callable[[gs.Graph], int]
 
 
-def _always(_config: OptimizerConfig) -> bool:
+class PipelineConfig(Protocol):
+    """What the pipeline reads of ``service.optimizer.OptimizerConfig``."""
+
+    @property
+    def fused_conv(self) -> bool: ...
+
+    @property
+    def max_iterations(self) -> int: ...
+
+
+def _always(_config: PipelineConfig) -> bool:
     return True
 
 
-def _fused_conv_enabled(config: OptimizerConfig) -> bool:
+def _fused_conv_enabled(config: PipelineConfig) -> bool:
     return config.fused_conv
 
 
@@ -59,11 +68,11 @@ class PassSpec:
 
     name: str
     run: Pass
-    enabled: Callable[[OptimizerConfig], bool] = _always
+    enabled: Callable[[PipelineConfig], bool] = _always
     disabled: str = ""
 
 
-def _spec(fn: Pass, enabled: Callable[[OptimizerConfig], bool] = _always, disabled: str = "") -> PassSpec:
+def _spec(fn: Pass, enabled: Callable[[PipelineConfig], bool] = _always, disabled: str = "") -> PassSpec:
     return PassSpec(fn.__name__, fn, enabled, disabled)
 
 
@@ -127,7 +136,7 @@ def run_once(graph: gs.Graph, name: str, run: Pass) -> PassStat:
 
 def run_pipeline(
     graph: gs.Graph,
-    config: OptimizerConfig,
+    config: PipelineConfig,
     passes: Sequence[PassSpec] = DEFAULT_PIPELINE,
 ) -> tuple[int, list[PassStat]]:
     """Run ``passes`` to a fixed point. Returns (iterations, per-pass stats summed over iterations, in

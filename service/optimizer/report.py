@@ -8,7 +8,8 @@ from typing import Any
 
 import onnx
 
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL, tolerance_text
+from service.optimizer.tolerance import tolerance_note
+from service.optimizer.verify_inputs import KIND_TEXT
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
@@ -63,8 +64,16 @@ class OptimizationReport:
     verify_batch_sizes: list[int] = dataclasses.field(default_factory=list)
     verify_rtol: float | None = None
     verify_atol: float | None = None
-    """The tolerance verification used (None: not verified); see ``tolerance_note`` for the defaults."""
+    """The tolerance verification used (None: not verified); ``optimizer.tolerance`` gives the defaults."""
+    verify_precision: str | None = None
+    """What the original computes in (``fp32``, ``fp16``): the default tolerance follows it. None: not
+    verified, or a record written before the precision was kept (read as fp32)."""
+    verify_tolerance_source: str | None = None
+    """``default`` (the precision's) or ``user`` (the model's own ``verify_tolerance``)."""
     verify_input_kinds: list[str] = dataclasses.field(default_factory=list)
+    """The input kinds compared, in order of first use (``optimizer.verify_inputs``)."""
+    verify_skipped_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Input kinds on which the original never ran, with its first error (``optimizer.verify_draws``)."""
     verify_unordered_rows: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Outputs compared as sets of detections: their detection count in every verification run."""
     verify_selection_inputs: list[str] = dataclasses.field(default_factory=list)
@@ -107,7 +116,13 @@ class OptimizationReport:
                 f"verified: max |diff| {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}"
                 f" (batch sizes {self.verify_batch_sizes}; inputs {', '.join(self.verify_input_kinds) or '?'})"
             )
-            lines.append(f"  tolerance: {tolerance_note(self.verify_rtol, self.verify_atol)}")
+            note = tolerance_note(self.verify_rtol, self.verify_atol, self.verify_precision,
+                                  self.verify_tolerance_source)
+            lines.append(f"  tolerance: {note}")
+            lines.extend(
+                f"  skipped {KIND_TEXT.get(kind, kind)}: the original model fails on them {error}"
+                for kind, error in self.verify_skipped_kinds.items()
+            )
             lines.extend(self._unordered_lines())
         else:
             lines.append("verified: no (verification disabled)")
@@ -131,14 +146,3 @@ class OptimizationReport:
                 lines.append(f"  {name}: no detections in any of {len(rows)} runs: the detections were not compared")
         return lines
 
-
-def tolerance_note(rtol: float | None, atol: float | None) -> str:
-    """``rtol 1e-4, atol 1e-5 (the default)``, or says how it departs from the default."""
-    if rtol is None or atol is None:
-        return "unknown"
-    text = f"rtol {tolerance_text(rtol)}, atol {tolerance_text(atol)}"
-    if (rtol, atol) == (DEFAULT_RTOL, DEFAULT_ATOL):
-        return f"{text} (the default)"
-    looser = rtol > DEFAULT_RTOL or atol > DEFAULT_ATOL
-    relation = "LOOSER than" if looser else "stricter than"
-    return f"{text} ({relation} the default rtol {tolerance_text(DEFAULT_RTOL)}, atol {tolerance_text(DEFAULT_ATOL)})"

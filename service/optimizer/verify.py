@@ -3,19 +3,26 @@
 Both models run on ONNX Runtime's CPU provider with ORT's own graph optimizations off (so ORT cannot
 hide or cause a difference), on the same seeded inputs, for a few batch sizes and trials. The inputs and
 their kinds (standard normal, uniform [0, 1), image-like patterns in [0, 1] and [0, 255]) are described
-in ``service.optimizer.verify_inputs``; a model with a NonMaxSuppression or TopK gets every kind at every
-batch size, so that a detector sees inputs under which it selects something.
+in ``service.optimizer.verify_inputs``; a model with a NonMaxSuppression or TopK gets every kind the
+original runs on at every batch size, so that a detector sees inputs under which it selects something.
+Only input sets on which the *original* runs are compared: a kind on which it fails is drawn again, then
+skipped and recorded with the original's error (``service.optimizer.verify_draws``, which also says what
+minimum is compared before a rewrite is accepted: never nothing). The optimized model failing where the
+original runs is an error.
 
-**Tolerance** (``rtol``, ``atol``; default 1e-4 and 1e-5, the same for every comparison below, recorded
-in the result). An element matches when ``numpy.allclose`` would accept it (``|got - expected| <= atol +
-rtol * |expected|``) **or** when its difference is within ``atol + rtol * scale``, ``scale`` being the
-largest finite magnitude of that output. The second clause is needed because float32 rounding in a deep
-network scales with the activations, not with each element: on the zoo's ResNet-50, ORT's *own* optimizer
-(which folds BN into Conv exactly like our pass) changes logits of magnitude 5.9 by 1.05e-4, so
-elementwise ``allclose(rtol=1e-4, atol=1e-5)`` rejects ORT against itself on the logits near zero. A wrong
-rewrite moves outputs by a sizeable fraction of their scale and still fails by orders of magnitude.
-NaN in the same places on both sides counts as equal, NaN on one side only is a mismatch, infinities
-must match exactly; integer and bool outputs must be identical.
+**Tolerance** (``rtol``, ``atol``, the same for every comparison below, recorded in the result with the
+precision and where it came from). By default it follows the precision the original computes in (1e-4 and
+1e-5 for fp32, 5e-3 and 5e-4 for fp16; ``service.optimizer.tolerance`` says why); a model's own wins.
+Every comparison runs in float64, so comparing fp16 outputs rounds nothing. An element matches when
+``numpy.allclose`` would accept it (``|got - expected| <= atol + rtol * |expected|``) **or** when its
+difference is within ``atol + rtol * scale``, ``scale`` being the largest finite magnitude of that output.
+The second clause is needed because rounding in a deep network scales with the activations, not with
+each element: on the zoo's ResNet-50, ORT's *own* optimizer (which folds BN into Conv exactly like our
+pass) changes logits of magnitude 5.9 by 1.05e-4, so elementwise ``allclose(rtol=1e-4, atol=1e-5)``
+rejects ORT against itself on the logits near zero. A wrong rewrite moves outputs by a sizeable fraction
+of their scale and still fails by orders of magnitude. NaN in the same places on both sides counts as
+equal, NaN on one side only is a mismatch, infinities must match exactly; integer and bool outputs must
+be identical.
 
 **Outputs in order** are compared element by element with that rule.
 
@@ -64,21 +71,22 @@ import onnxruntime as ort
 
 from service.errors import OptimizationError, VerificationError
 from service.optimizer.row_matching import closest_miss, match_rows
-from service.optimizer.verify_fed import FedPlan, fed_plan
-from service.optimizer.verify_inputs import (
-    INPUT_KINDS,
-    KIND_TEXT,
-    InputSpec,
-    effective_batch_sizes,
-    kind_of_trial,
-    random_feeds,
+from service.optimizer.tolerance import (  # noqa: F401 (DEFAULT_*, check_tolerance: this module's API too)
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    Tolerance,
+    check_tolerance,
+    resolve_tolerance,
+    tolerance_text,
 )
+from service.optimizer.verify_draws import DrawLog, draw_and_compare
+from service.optimizer.verify_fed import FedPlan, fed_plan
+from service.optimizer.verify_inputs import INPUT_KINDS, KIND_TEXT, InputSpec, effective_batch_sizes, random_feeds
+from service.optimizer.verify_shared import reference_run, reference_session
 from service.optimizer.verify_targets import Plan, Target, plan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RTOL = 1e-4
-DEFAULT_ATOL = 1e-5
 _MAX_THREADS = 8
 _ORT_TYPES = {
     "tensor(float)": np.float32,
@@ -111,8 +119,14 @@ class VerificationResult:
     rtol: float = DEFAULT_RTOL
     atol: float = DEFAULT_ATOL
     """The tolerance every comparison used."""
+    precision: str = "fp32"
+    """What the original computes in (``service.graph_precision``): its default tolerance."""
+    tolerance_source: str = "default"
+    """``default`` (the precision's) or ``user`` (given by the caller)."""
     input_kinds: tuple[str, ...] = ()
-    """The input kinds, in trial order, used at every batch size (see ``verify_inputs``)."""
+    """The input kinds that were compared, in order of first use (see ``verify_inputs``)."""
+    skipped_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Kinds on which the original never ran (``verify_draws``): kind -> ``at batch B: <its first error>``."""
     unordered_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     """For every output (and selection input) compared as a set: its number of detections in each run, in
     run order (batch sizes ascending, trials within). All zeros: the detections themselves were never compared."""
@@ -128,61 +142,53 @@ class _SetMismatch(VerificationError):
     """Detections that found no partner: a wrong rewrite, or ties that fell differently."""
 
 
-def check_tolerance(rtol: float, atol: float) -> None:
-    """Raise ValueError unless both are finite and >= 0."""
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"verification {name} must be a finite number >= 0, got {value!r}")
-
-
-def tolerance_text(value: float) -> str:
-    """1e-4 rather than 0.0001 or 1e-04."""
-    if value and not 1e-2 <= abs(value) < 1e4:
-        return np.format_float_scientific(value, trim="-", exp_digits=1)
-    return f"{value:g}"
-
-
 def verify_equivalent(
     reference: onnx.ModelProto,
     candidate: onnx.ModelProto,
     *,
     batch_sizes: Sequence[int] = (1, 2),
     trials: int = 2,
-    rtol: float = DEFAULT_RTOL,
-    atol: float = DEFAULT_ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
     seed: int = 0,
 ) -> VerificationResult:
     """Compare ``candidate`` against ``reference`` on generated inputs (``trials`` per batch size; at least
-    one of every input kind when the original holds a NonMaxSuppression or TopK).
+    one of every input kind when the original holds a NonMaxSuppression or TopK). ``rtol``/``atol`` left
+    None take the default of the precision ``reference`` computes in.
 
     Raises VerificationError on the first mismatch (output, batch size, input kind, worst difference and
-    where), OptimizationError when ONNX Runtime cannot load or run a model, ValueError for a bad tolerance.
+    where), OptimizationError when ONNX Runtime cannot load a model, cannot run the optimized one where the
+    original runs, or runs the original on no input set at all; ValueError for a bad tolerance.
     """
-    check_tolerance(rtol, atol)
+    tolerance = resolve_tolerance(reference, rtol, atol)
     targets = plan(reference, candidate)
-    comparison = _Comparison(targets, rtol, atol)
+    comparison = _Comparison(targets, tolerance)
     runs = max(1, trials, len(INPUT_KINDS) if targets.has_selection else 1)
     fed: FedPlan | None = None
     try:
-        _run_all(comparison, batch_sizes, runs, seed)
+        drawn = run_all(comparison, batch_sizes, runs, seed)
     except _SetMismatch as mismatch:
         fed = fed_plan(reference, candidate)
         if fed is None:
             raise
         log.info("%s; verifying again with the original's %d selections fed in", mismatch, len(fed.selections))
         comparison.set_mismatch = str(mismatch)
-        final = _run_fed(_FedComparison(fed, rtol, atol), batch_sizes, runs, seed, mismatch)
-        comparison.max_abs, comparison.max_rel, comparison.compared = final.max_abs, final.max_rel, final.compared
+        final = _FedComparison(fed, tolerance)
+        drawn = _run_fed(final, batch_sizes, runs, seed, mismatch)
+        comparison.max_abs, comparison.max_rel = final.max_abs, final.max_rel
     empty = [key for key, rows in comparison.rows.items() if not any(rows)]
     if empty:
         log.warning("no detections in any verification run of %s: only the NMS/TopK inputs were compared", empty)
     return VerificationResult(
         comparison.max_abs,
         comparison.max_rel,
-        tuple(comparison.compared),
-        rtol=rtol,
-        atol=atol,
-        input_kinds=tuple(kind_of_trial(t) for t in range(runs)),
+        tuple(drawn.batches),
+        rtol=tolerance.rtol,
+        atol=tolerance.atol,
+        precision=tolerance.precision,
+        tolerance_source=tolerance.source,
+        input_kinds=tuple(drawn.used),
+        skipped_kinds=dict(drawn.skipped),
         unordered_rows={key: tuple(rows) for key, rows in comparison.rows.items()},
         selection_inputs=tuple(t.reference for t in targets.targets if not t.is_output),
         fed_selections=fed.selections if fed is not None else (),
@@ -190,74 +196,67 @@ def verify_equivalent(
     )
 
 
-def _run_all(comparison: _Comparison, batch_sizes: Sequence[int], runs: int, seed: int) -> None:
-    """Every batch size, ``runs`` input sets each, from the seed (so a second comparison sees the same)."""
-    rng = np.random.default_rng(seed)
-    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
-        if not comparison.run_batch(batch, runs, rng):
-            log.info("the original model does not run at batch %d: not compared there", batch)
-    if not comparison.compared:
-        raise OptimizationError(f"the original model fails to run on ONNX Runtime: {comparison.first_failure}")
+def run_all(comparison: _Comparison, batch_sizes: Sequence[int], runs: int, seed: int) -> DrawLog:
+    """Every batch size, ``runs`` compared input sets each where the original runs (``verify_draws``), drawn
+    from the seed: a second comparison of the same original sees the same input sets. OptimizationError
+    naming the original's first error when it ran on no input set at all."""
+    drawn = draw_and_compare(
+        effective_batch_sizes(comparison.specs, batch_sizes), runs, seed, comparison.draw, comparison.attempt
+    )
+    for kind, error in drawn.skipped.items():
+        log.warning("verification skips %s: the original model fails on them %s", KIND_TEXT[kind], error)
+    if not drawn.batches:
+        raise OptimizationError(f"the original model fails to run on ONNX Runtime: {drawn.first_failure}")
+    return drawn
 
 
 def _run_fed(
     comparison: _FedComparison, batch_sizes: Sequence[int], runs: int, seed: int, mismatch: _SetMismatch
-) -> _FedComparison:
-    """``_run_all`` with the selections fed in; a mismatch there names the set mismatch that led to it."""
+) -> DrawLog:
+    """``run_all`` with the selections fed in; a mismatch there names the set mismatch that led to it."""
     try:
-        _run_all(comparison, batch_sizes, runs, seed)
+        return run_all(comparison, batch_sizes, runs, seed)
     except VerificationError as exc:
         raise VerificationError(f"{mismatch}; with the original's NMS/TopK results fed in: {exc}") from None
-    return comparison
 
 
 class _Comparison:
     """Both sessions, what to compare, the tolerances and the running worst differences of one verification."""
 
-    def __init__(self, targets: Plan, rtol: float, atol: float) -> None:
-        self.reference = _session(targets.reference_bytes, "original")
+    def __init__(self, targets: Plan, tolerance: Tolerance) -> None:
+        self.reference = reference_session(targets.reference_bytes, lambda data: _session(data, "original"))
         self.candidate = _session(targets.candidate_bytes, "optimized")
         self.targets = targets.targets
         self.sources = targets.sources
-        self.rtol, self.atol = rtol, atol
+        self.rtol, self.atol = tolerance.rtol, tolerance.atol
         self.specs = _input_specs(self.reference)
         _check_signatures(self.reference, self.candidate, targets.outputs)
         self.candidate_inputs = {i.name for i in self.candidate.get_inputs()}
         self.max_abs = 0.0
         self.max_rel = 0.0
-        self.compared: list[int] = []
         self.rows: dict[str, list[int]] = {t.key: [] for t in self.targets if t.unordered is not None}
-        self.first_failure = ""
         self.set_mismatch = ""
 
-    def run_batch(self, batch: int, trials: int, rng: np.random.Generator) -> bool:
-        """Compare ``trials`` input sets at one batch size.
+    def draw(self, batch: int, kind: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return random_feeds(self.specs, batch, rng, kind)
 
-        False when the original itself cannot run at this batch size (a model whose graph pins the batch
-        despite a symbolic input dim): there is nothing to compare against there. The caller fails when
-        no batch size could be compared at all.
-        """
-        for trial in range(trials):
-            kind = kind_of_trial(trial)
-            feeds = random_feeds(self.specs, batch, rng, kind)
-            try:
-                expected = self.reference.run([t.reference for t in self.targets], feeds)
-            except Exception as exc:
-                if trial == 0:
-                    self.first_failure = self.first_failure or _short(exc)
-                    return False
-                raise OptimizationError(f"the original model fails to run on ONNX Runtime: {_short(exc)}") from exc
-            try:
-                got = self.candidate.run(
-                    [t.candidate for t in self.targets], {k: v for k, v in feeds.items() if k in self.candidate_inputs}
-                )
-            except Exception as exc:
-                raise OptimizationError(
-                    f"the optimized model fails to run at batch {batch} on ONNX Runtime: {_short(exc)}"
-                ) from exc
-            self._compare_run(f"at batch {batch} ({KIND_TEXT[kind]})", expected, got)
-        self.compared.append(batch)
-        return True
+    def attempt(self, batch: int, kind: str, feeds: dict[str, np.ndarray]) -> str | None:
+        """Compare one input set (``verify_draws.Attempt``): the original's error when it cannot run on it."""
+        try:
+            expected = reference_run(self.reference, [t.reference for t in self.targets], feeds)
+        except Exception as exc:
+            return _short(exc)
+        try:
+            got = self.candidate.run(
+                [t.candidate for t in self.targets], {k: v for k, v in feeds.items() if k in self.candidate_inputs}
+            )
+        except Exception as exc:
+            raise OptimizationError(
+                f"the optimized model fails to run at batch {batch} ({KIND_TEXT[kind]}) on ONNX Runtime, where"
+                f" the original runs: {_short(exc)}"
+            ) from exc
+        self._compare_run(f"at batch {batch} ({KIND_TEXT[kind]})", expected, got)
+        return None
 
     def _compare_run(self, where: str, expected: list, got: list) -> None:
         groups: dict[tuple, list[tuple[Target, np.ndarray, np.ndarray, int]]] = {}
@@ -349,8 +348,9 @@ class _Comparison:
             diff = np.where(finite, np.abs(got64 - exp64), 0.0)
         scale = float(np.abs(exp64[finite]).max()) if finite.any() else 0.0
         if diff.size:
-            self.max_abs = max(self.max_abs, float(diff.max()))
-            self.max_rel = max(self.max_rel, float(diff.max()) / (scale + self.atol))
+            worst = float(diff.max())
+            self.max_abs = max(self.max_abs, worst)
+            self.max_rel = max(self.max_rel, worst / (scale + self.atol) if worst else 0.0)
         close = np.isclose(got64, exp64, rtol=self.rtol, atol=self.atol, equal_nan=True)
         close |= finite & (diff <= self.atol + self.rtol * scale)
         if not close.all():
@@ -369,45 +369,36 @@ class _FedComparison(_Comparison):
     """The optimized model cut at its selections and fed the original's results (``verify_fed``): every
     output and every tensor a selection reads, element by element and in order."""
 
-    def __init__(self, fed: FedPlan, rtol: float, atol: float) -> None:  # not super(): that builds the uncut pair
+    def __init__(self, fed: FedPlan, tolerance: Tolerance) -> None:  # not super(): that builds the uncut pair
         self.fed = fed
         self.reference = _session(fed.reference_bytes, "original")
         self.cut: ort.InferenceSession | None = None  # built at the first run: the fed values give its input types
-        self.rtol, self.atol = rtol, atol
+        self.rtol, self.atol = tolerance.rtol, tolerance.atol
         self.specs = _input_specs(self.reference)
         self.max_abs = self.max_rel = 0.0
-        self.compared = []
-        self.first_failure = ""
 
-    def run_batch(self, batch: int, trials: int, rng: np.random.Generator) -> bool:
+    def attempt(self, batch: int, kind: str, feeds: dict[str, np.ndarray]) -> str | None:
         names = [*self.fed.fed, *(ref for ref, _ in self.fed.compared)]
-        for trial in range(trials):
-            kind = kind_of_trial(trial)
-            feeds = random_feeds(self.specs, batch, rng, kind)
-            try:
-                values = dict(zip(names, self.reference.run(names, feeds), strict=True))
-            except Exception as exc:
-                if trial == 0:
-                    self.first_failure = self.first_failure or _short(exc)
-                    return False
-                raise OptimizationError(f"the original model fails to run on ONNX Runtime: {_short(exc)}") from exc
-            fed = {name: np.asarray(values[name]) for name in self.fed.fed}
-            if self.cut is None:
-                self.cut = _session(self.fed.candidate_bytes(fed), "optimized (cut at its selections)")
-            inputs = {i.name for i in self.cut.get_inputs()}
-            try:
-                got = self.cut.run(
-                    [cand for _, cand in self.fed.compared], {**{k: v for k, v in feeds.items() if k in inputs}, **fed}
-                )
-            except Exception as exc:
-                raise OptimizationError(
-                    f"the optimized model, cut at its selections, fails to run at batch {batch}: {_short(exc)}"
-                ) from exc
-            where = f"at batch {batch} ({KIND_TEXT[kind]}; the original's NMS/TopK results fed in)"
-            for (name, _), act in zip(self.fed.compared, got, strict=True):
-                self._compare(f"'{name}' {where}", np.asarray(values[name]), np.asarray(act))
-        self.compared.append(batch)
-        return True
+        try:
+            values = dict(zip(names, self.reference.run(names, feeds), strict=True))
+        except Exception as exc:
+            return _short(exc)
+        fed = {name: np.asarray(values[name]) for name in self.fed.fed}
+        if self.cut is None:
+            self.cut = _session(self.fed.candidate_bytes(fed), "optimized (cut at its selections)")
+        inputs = {i.name for i in self.cut.get_inputs()}
+        try:
+            got = self.cut.run(
+                [cand for _, cand in self.fed.compared], {**{k: v for k, v in feeds.items() if k in inputs}, **fed}
+            )
+        except Exception as exc:
+            raise OptimizationError(
+                f"the optimized model, cut at its selections, fails to run at batch {batch}: {_short(exc)}"
+            ) from exc
+        where = f"at batch {batch} ({KIND_TEXT[kind]}; the original's NMS/TopK results fed in)"
+        for (name, _), act in zip(self.fed.compared, got, strict=True):
+            self._compare(f"'{name}' {where}", np.asarray(values[name]), np.asarray(act))
+        return None
 
 
 def _check_layout(where: str, expected: np.ndarray, got: np.ndarray) -> None:

@@ -7,7 +7,8 @@ Shapes follow the original's input signature:
 - other symbolic dims: spatial dims (index >= 2) of image-like inputs get a size a CNN accepts (224 for
   rank 4, 64 for rank 3, 32 for rank 5), every other one 1. A symbol seen twice gets the same size.
 
-Values come in kinds (``INPUT_KINDS``); trial ``t`` at every batch size uses kind ``t mod 4``:
+Values come in kinds (``INPUT_KINDS``); trial ``t`` at every batch size uses kind ``t mod 4``, except
+where the original fails on a kind (``verify_draws`` draws it again, then skips it and goes on to the next):
 
 - ``normal``: standard normal noise. Zero-mean, both signs: reaches every branch of a ReLU, makes
   activations of both signs and NaN where an op is undefined for negatives.

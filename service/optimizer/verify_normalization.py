@@ -5,9 +5,10 @@ signature changed (float NCHW in, pixels out of the wire dtype and layout in), s
 *original* graph composed with the normalisation done in numpy: random pixels ``p`` (uniform integers
 0..255, in the wire layout; float32 for a float wire) go to the optimized graph as they are, and to the
 original as ``(p * scale - mean) / std`` computed in float64, transposed to NCHW and cast to the input's
-float type. Outputs are compared exactly as ``verify_equivalent`` compares them (same tolerance rule, same
-messages), on ONNX Runtime's CPU provider with its optimizations off. Inputs other than the image input
-get the generic random values, the same for both graphs.
+float type. Outputs are compared exactly as ``verify_equivalent`` compares them (same tolerance rule and
+default by precision, same messages), on ONNX Runtime's CPU provider with its optimizations off, on the
+draws that ``verify_draws`` makes (pixels the original cannot run on are drawn again). Inputs other than
+the image input get the generic random values of each kind, the same for both graphs.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import onnx
 
 from service.errors import OptimizationError, VerificationError
 from service.optimizer.passes.fold_input_normalization import InputNormalization
+from service.optimizer.tolerance import Tolerance, resolve_tolerance
 
 # Package-private helpers of the generic verifier: one comparison rule for every check of the optimizer.
-from service.optimizer.verify import VerificationResult, _Comparison, _short, check_tolerance
-from service.optimizer.verify_inputs import effective_batch_sizes, kind_of_trial, random_feeds
+from service.optimizer.verify import VerificationResult, _Comparison, _short, run_all
+from service.optimizer.verify_inputs import random_feeds
+from service.optimizer.verify_shared import reference_run
 from service.optimizer.verify_targets import plan
 
 _PIXEL_HIGH = 256
@@ -35,35 +38,64 @@ def verify_input_normalization(
     *,
     batch_sizes: Sequence[int] = (1, 2),
     trials: int = 2,
-    rtol: float = 1e-4,
-    atol: float = 1e-5,
+    rtol: float | None = None,
+    atol: float | None = None,
     seed: int = 0,
 ) -> VerificationResult:
-    """Compare ``candidate`` (pixels in) against ``reference`` (normalised floats in) on random images.
+    """Compare ``candidate`` (pixels in) against ``reference`` (normalised floats in) on random images;
+    ``rtol``/``atol`` left None take the default of ``reference``'s precision.
 
     Raises VerificationError on a mismatch and OptimizationError when a model cannot run.
     """
-    check_tolerance(rtol, atol)
-    comparison = _Comparison(plan(reference, candidate), rtol, atol)
-    name = normalization.input_name
-    if not any(spec.name == name for spec in comparison.specs):
-        raise OptimizationError(f"cannot verify: the original model has no input '{name}'")
-    rng = np.random.default_rng(seed)
-    for batch in effective_batch_sizes(comparison.specs, batch_sizes):
-        for trial in range(max(1, trials)):
-            feeds = random_feeds(comparison.specs, batch, rng, kind_of_trial(trial))
-            float_input = feeds[name]
-            pixels = _pixels(float_input.shape, normalization, rng)
-            _check_wire_input(comparison.candidate, name, pixels)
-            feeds[name] = _normalise(pixels, normalization, float_input.dtype)
-            candidate_feeds = {k: v for k, v in feeds.items() if k in comparison.candidate_inputs} | {name: pixels}
-            expected = _run(comparison.reference, [t.reference for t in comparison.targets], feeds, "original", batch)
-            got = _run(comparison.candidate, [t.candidate for t in comparison.targets], candidate_feeds, "optimized",
-                       batch)
-            comparison._compare_run(f"at batch {batch} (random pixels)", expected, got)
-        comparison.compared.append(batch)
-    return VerificationResult(comparison.max_abs, comparison.max_rel, tuple(comparison.compared), rtol=rtol,
-                              atol=atol, input_kinds=tuple(kind_of_trial(t) for t in range(max(1, trials))))
+    tolerance = resolve_tolerance(reference, rtol, atol)
+    comparison = _PixelComparison(reference, candidate, normalization, tolerance)
+    drawn = run_all(comparison, batch_sizes, max(1, trials), seed)
+    return VerificationResult(
+        comparison.max_abs, comparison.max_rel, tuple(drawn.batches), rtol=tolerance.rtol, atol=tolerance.atol,
+        precision=tolerance.precision, tolerance_source=tolerance.source, input_kinds=tuple(drawn.used),
+        skipped_kinds=dict(drawn.skipped),
+    )  # fmt: skip
+
+
+class _PixelComparison(_Comparison):
+    """The generic comparison with pixels drawn for the image input: as they are for the candidate,
+    normalised in numpy for the original."""
+
+    def __init__(
+        self, reference: onnx.ModelProto, candidate: onnx.ModelProto, normalization: InputNormalization,
+        tolerance: Tolerance,
+    ) -> None:  # fmt: skip
+        super().__init__(plan(reference, candidate), tolerance)
+        self.normalization = normalization
+        self.name = normalization.input_name
+        spec = next((spec for spec in self.specs if spec.name == self.name), None)
+        if spec is None:
+            raise OptimizationError(f"cannot verify: the original model has no input '{self.name}'")
+        self.float_dtype = spec.dtype
+
+    def draw(self, batch: int, kind: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        feeds = random_feeds(self.specs, batch, rng, kind)
+        feeds[self.name] = _pixels(feeds[self.name].shape, self.normalization, rng)
+        return feeds
+
+    def attempt(self, batch: int, kind: str, feeds: dict[str, np.ndarray]) -> str | None:
+        pixels = feeds[self.name]
+        _check_wire_input(self.candidate, self.name, pixels)
+        normalised = {**feeds, self.name: _normalise(pixels, self.normalization, self.float_dtype)}
+        try:
+            expected = reference_run(self.reference, [t.reference for t in self.targets], normalised)
+        except Exception as exc:
+            return _short(exc)
+        candidate_feeds = {k: v for k, v in feeds.items() if k in self.candidate_inputs}
+        try:
+            got = self.candidate.run([t.candidate for t in self.targets], candidate_feeds)
+        except Exception as exc:
+            raise OptimizationError(
+                f"the optimized model fails to run at batch {batch} on ONNX Runtime, where the original runs:"
+                f" {_short(exc)}"
+            ) from exc
+        self._compare_run(f"at batch {batch} (random pixels)", expected, got)
+        return None
 
 
 def _pixels(nchw_shape: tuple[int, ...], normalization: InputNormalization, rng: np.random.Generator) -> np.ndarray:
@@ -95,12 +127,3 @@ def _normalise(pixels: np.ndarray, normalization: InputNormalization, dtype: np.
     mean = np.broadcast_to(np.asarray(normalization.mean, np.float64), (channels,)).reshape(1, -1, 1, 1)
     std = np.broadcast_to(np.asarray(normalization.std, np.float64), (channels,)).reshape(1, -1, 1, 1)
     return np.ascontiguousarray((nchw.astype(np.float64) * normalization.scale - mean) / std).astype(dtype)
-
-
-def _run(session, output_names: list[str], feeds: dict[str, np.ndarray], role: str, batch: int) -> list:
-    try:
-        return session.run(output_names, {i.name: feeds[i.name] for i in session.get_inputs()})
-    except Exception as exc:
-        raise OptimizationError(
-            f"the {role} model fails to run at batch {batch} on ONNX Runtime: {_short(exc)}"
-        ) from exc

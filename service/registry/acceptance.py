@@ -7,7 +7,11 @@ native code or hit unreviewed kernels (only the standard and ONNX Runtime domain
 nesting of subgraphs (stack exhaustion) and absurd declared shapes. Memory bombs in foldable constants are
 handled by running the optimizer in a resource-limited child process (``registry.sandbox``); the
 ones that only go off for some request values (``ConstantOfShape`` of a number taken from the input) are
-refused here, because they would go off in the server itself, at inference time (see ``SIZE_INPUTS``).
+refused here, because they would go off in the server itself, at inference time: a size or trip count
+taken from request values must have a bound (``SIZE_INPUTS``, ``registry.value_bounds``).
+
+The CLI (``python -m service optimize``) applies ``validate_model`` too: one rule for a file, however it
+arrives.
 
 ``validate_model_name`` keeps names safe to use as one path component: the store still resolves and checks
 every path it builds.
@@ -23,6 +27,8 @@ import onnx
 from onnx import AttributeProto, TensorProto
 
 from service.errors import BadRequestError, InvalidModelError, printable
+from service.registry import intervals
+from service.registry.value_bounds import ValueBounds
 from service.runtime.contract import MAX_FIXED_ELEMENTS, ONNX_TO_NUMPY
 
 ALLOWED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
@@ -37,7 +43,7 @@ SIZE_INPUTS: dict[str, tuple[int, ...]] = {
     "Tile": (1,),
     "Range": (0, 1, 2),
     "OneHot": (1,),
-    "Resize": (1, 2, 3),
+    "Resize": (2, 3),
     "Upsample": (1,),
     "Pad": (1,),
     "CenterCropPad": (1,),
@@ -53,12 +59,21 @@ SIZE_INPUTS: dict[str, tuple[int, ...]] = {
     "ImageDecoder": (0,),
     "Loop": (0,),
 }
-"""Standard ops whose listed inputs set, by their VALUES, an output size (Loop: the trip count). Such an
-input must not depend on the values of the model's inputs: otherwise one request (a large number in an
-image) could make the server allocate without bound or loop forever at inference time, where no child
-process limits it. Depending on input *shapes* (through Shape/Size) is fine: the request size limits
-bound those, and verification has run the model at small batch sizes under the optimizer's limits."""
+"""Standard ops whose listed inputs set, by their VALUES, an output size (Loop: the trip count; Resize's roi
+sets none). Where such an input depends on the values of the model's inputs, one request (a large number
+in an image) could make the server allocate without bound or loop forever at inference time, where no
+child process limits it; so it must have a finite upper bound (``registry.value_bounds``: clipped by
+constants, e.g. torchvision's Mask R-CNN clips boxes to the image) and the size it sets must stay within
+``MAX_FIXED_ELEMENTS`` elements (a Range's delta must stay away from 0). Depending on input *shapes*
+(through Shape/Size) is fine: the request size limits bound those, so a bound that grows with the request's
+shapes is accepted when it holds at the smallest request; verification has run the model at small batch
+sizes under the optimizer's limits. Left to that: arithmetic on shapes that grows superlinearly or
+overflows only at large request shapes."""
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
+_DIRECT_SIZES = frozenset({("ConstantOfShape", 0), ("Expand", 1), ("OneHot", 1), ("Resize", 3)})
+"""Size inputs ONNX Runtime takes as output dims as they are: an astronomically large or negative value
+(``intervals.Bound.far``: a NaN or inf cast to int64) fails the request there. Where the op first computes
+with it (Tile multiplies, Pad adds, a Loop counts) it could wrap to an ordinary size, so there it is refused."""
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(MODEL_NAME_PATTERN.strip("^$"), re.ASCII)
@@ -216,45 +231,122 @@ def _no_external_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
 
 
 def _check_value_dependent_sizes(model: onnx.ModelProto) -> None:
-    """Follow which tensors depend on the VALUES of the model's inputs (not only on their shapes) and
-    refuse a size-setting input (``SIZE_INPUTS``) among them. Runs after the checker, which guarantees
-    topologically sorted nodes, so one forward pass sees every producer before its consumers."""
-    tainted = {v.name for v in _real_inputs(model.graph)}
-    _taint_nodes(model.graph.node, tainted, "main graph")
+    """Follow which tensors depend on the VALUES of the model's inputs (not only on their shapes); a
+    size-setting input (``SIZE_INPUTS``) among them must be bounded (``_check_bounded``). Runs after the
+    checker, which guarantees topologically sorted nodes, so one forward pass sees every producer before its
+    consumers. The bounds analysis (shape inference included) runs only for a scope that needs it."""
+    scopes = [("main graph", model.graph.node, {v.name for v in _real_inputs(model.graph)},
+               lambda: ValueBounds.of_model(model))]
     for function in model.functions:  # conservatively: every formal input may carry request values
-        _taint_nodes(function.node, set(function.input), f"function {printable(function.name)!r}")
+        scopes.append((f"function {printable(function.name)!r}", function.node, set(function.input),
+                       lambda function=function: ValueBounds.of_function(function)))
+    for where, nodes, tainted, analyse in scopes:
+        found: list[tuple[onnx.NodeProto, list[int], str]] = []
+        _taint_nodes(nodes, tainted, where, found)
+        if found:
+            bounds = analyse()
+            for node, indices, node_where in found:
+                _check_bounded(node, indices, f"node {printable(node.name or node.op_type)!r} ({node_where})",
+                               bounds)
 
 
-def _taint_nodes(nodes: Sequence[onnx.NodeProto], tainted: set[str], where: str) -> None:
-    """Add to ``tainted`` the outputs of ``nodes`` computed from tainted values; raise on a tainted
-    size input. One shared set serves nested subgraphs (ONNX names are unique across scopes, and a
-    shared set can only over-approximate)."""
+def _taint_nodes(nodes: Sequence[onnx.NodeProto], tainted: set[str], where: str,
+                 found: list[tuple[onnx.NodeProto, list[int], str]]) -> None:
+    """Add to ``tainted`` the outputs of ``nodes`` computed from tainted values, and to ``found`` each
+    standard node with tainted size inputs. One shared set serves nested subgraphs (ONNX names are unique
+    across scopes, and a shared set can only over-approximate)."""
     for node in nodes:
         standard = node.domain in ("", "ai.onnx")
         from_values = any(name in tainted for name in node.input if name)
         if standard:
-            _check_size_inputs(node, tainted, where)
+            if node.op_type == "Loop" and (not node.input or not node.input[0]):
+                raise InvalidModelError(f"node {printable(node.name or node.op_type)!r} ({where}): a Loop needs a "
+                                        "trip count (while-loops are not accepted)")
+            indices = [i for i in SIZE_INPUTS.get(node.op_type, ()) if i < len(node.input) and node.input[i] in tainted]
+            if indices:
+                found.append((node, indices, where))
         for attr in node.attribute:
             for sub in [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs):
                 if from_values:
                     tainted.update(v.name for v in sub.input)
-                _taint_nodes(sub.node, tainted, f"subgraph of node {printable(node.name or node.op_type)!r}")
+                _taint_nodes(sub.node, tainted, f"subgraph of node {printable(node.name or node.op_type)!r}", found)
                 from_values = from_values or any(v.name in tainted for v in sub.output)
         if from_values and not (standard and node.op_type in _SHAPE_ONLY_OPS):
             tainted.update(name for name in node.output if name)
 
 
-def _check_size_inputs(node: onnx.NodeProto, tainted: set[str], where: str) -> None:
-    label = f"node {printable(node.name or node.op_type)!r} ({where})"
-    if node.op_type == "Loop" and (not node.input or not node.input[0]):
-        raise InvalidModelError(f"{label}: a Loop needs a trip count (while-loops are not accepted)")
-    for index in SIZE_INPUTS.get(node.op_type, ()):
-        if index < len(node.input) and node.input[index] in tainted:
+def _check_bounded(node: onnx.NodeProto, indices: list[int], label: str, bounds: ValueBounds) -> None:
+    """Refuse unless every size that ``node`` takes from request values has a finite bound and sets at most
+    ``MAX_FIXED_ELEMENTS`` elements (or loop iterations); a bound that grows with the request's shapes is
+    accepted when it holds at the smallest request (the request limits bound the rest)."""
+    checks = [_range_count(node, bounds)] if node.op_type == "Range" else [
+        (index, *_size_count(node, index, bounds)) for index in indices]
+    for index, count, why in checks:
+        if why is None and count > MAX_FIXED_ELEMENTS:
+            unit = "iterations" if node.op_type == "Loop" else "elements"
+            why = f"is bounded only at {count:,.0f} {unit}, more than the limit of {MAX_FIXED_ELEMENTS:,}"
+        if why is not None:
             raise InvalidModelError(
-                f"{label}: input {index} of {node.op_type} sets a tensor size (or trip count) from the "
-                "values of the model's inputs, so one request could exhaust the server's memory or time; "
-                "only constants and input shapes may set sizes"
+                f"{label}: input {index} ({_input_name(node.op_type, index)}) of {node.op_type} sets a tensor "
+                f"size (or trip count) from the values of the model's inputs and {why}, so one request could "
+                "exhaust the server's memory or time; bound it by constants (Clip, Min or Max) or take it from "
+                "input shapes"
             )
+
+
+def _size_count(node: onnx.NodeProto, index: int, bounds: ValueBounds) -> tuple[float, str | None]:
+    """An upper bound on the elements (Loop: iterations) input ``index`` makes, at the smallest request;
+    or why there is none."""
+    value = bounds.val(node.input[index])
+    if intervals.unbounded(value.whole):
+        return 0.0, f"has no upper bound (traced to {value.lost or 'an unbounded value'})"
+    far = [b for b in (value.elems or (value.whole,)) if b.far is not None]
+    harmless = (node.op_type, index) in _DIRECT_SIZES or (node.op_type == "Loop" and all(b.far_side == -1 for b in far))
+    if far and not harmless:  # (a Loop runs no iteration for INT64_MIN and the like)
+        return 0.0, "a NaN or infinite request value cast to an integer could make it astronomically large or wrap"
+    if node.op_type == "Loop":
+        return max(value.whole.fixed_hi, 0.0), None
+    items = [b.fixed_hi for b in value.elems] if value.elems is not None else None
+    if items is None:
+        length = _static_count(bounds.dims(node.input[index]))
+        if length is None and value.whole.fixed_hi > 1:
+            return 0.0, "its length is not known statically"
+        items = [value.whole.fixed_hi] * int(length or 0)
+    dims_only = node.op_type in ("ConstantOfShape", "Loop") or (node.op_type, index) == ("Resize", 3) or index == 0
+    data = 1.0 if dims_only else float(_static_count(bounds.dims(node.input[0]), unknown=1) or 1)
+    if node.op_type in ("Resize", "Upsample", "Expand", "Tile", "OneHot", "ConstantOfShape"):
+        return data * math.prod(max(x, 1.0) for x in items), None
+    return data * math.prod(1.0 + max(x, 0.0) for x in items), None  # Pad and the like: add to each dim
+
+
+def _range_count(node: onnx.NodeProto, bounds: ValueBounds) -> tuple[int, float, str | None]:
+    """Range makes ceil((limit - start) / delta) elements, (limit - start) computed in its element type:
+    the input to blame, the count at the smallest request, or why there is none."""
+    start, limit, delta = (bounds.val(name) for name in node.input[:3])
+    if delta.whole.lo <= 0 <= delta.whole.hi:
+        return 2, 0.0, "it may be 0 or arbitrarily close to it"
+    for index, value in ((0, start), (1, limit)):
+        if intervals.unbounded(value.whole):
+            return index, 0.0, f"has no upper bound (traced to {value.lost or 'an unbounded value'})"
+    span = intervals.realized(intervals.sub(limit.whole, start.whole, start.elem))
+    if math.isinf(span.hi) or math.isinf(span.lo):
+        return 1, 0.0, "the span from start to limit has no bound"
+    d = delta.whole
+    return 1, max(math.ceil(span.fixed_hi / d.fixed_lo if d.lo > 0 else span.fixed_lo / d.fixed_hi), 0), None
+
+
+def _static_count(dims: list[int | None] | None, unknown: int | None = None) -> int | None:
+    """The product of ``dims``; an unknown dim counts as ``unknown`` (None: the product is unknown)."""
+    if dims is None or (unknown is None and None in dims):
+        return unknown
+    return math.prod(d if d is not None else unknown for d in dims)  # type: ignore[misc]
+
+
+def _input_name(op_type: str, index: int) -> str:
+    try:
+        return onnx.defs.get_schema(op_type).inputs[index].name
+    except (onnx.defs.SchemaError, IndexError):
+        return "size"
 
 
 # ---------------------------------------------------------------------- inputs and outputs

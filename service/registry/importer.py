@@ -16,17 +16,14 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from service.errors import ServiceError, ShuttingDownError
 from service.model_config import ModelConfig
 from service.registry.acceptance import validate_new_model_name
+from service.registry.control import Uploads
 from service.registry.store import ModelStore, sha256_file
-
-if TYPE_CHECKING:
-    from service.registry.manager import ModelManager
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ class ImportRefused(ValueError):
     """A file of the import folder that is not imported; the message says why."""
 
 
-async def import_models(manager: ModelManager, folder: Path) -> list[str]:
+async def import_models(manager: Uploads, folder: Path) -> list[str]:
     """Import every new ``*.onnx`` of ``folder``; returns the names imported."""
     imported = []
     for path in await asyncio.to_thread(model_files, folder):
@@ -63,7 +60,7 @@ def model_files(folder: Path) -> list[Path]:
         return []
 
 
-async def import_one(manager: ModelManager, path: Path) -> bool:
+async def import_one(manager: Uploads, path: Path) -> bool:
     """Import one file as the model named after it; False when that original is stored under that name."""
     try:
         name = validate_new_model_name(path.stem)
@@ -99,11 +96,15 @@ def read_config(path: Path) -> ModelConfig:
     if not isinstance(data, dict):
         raise ImportRefused(f"{path.name} is not a JSON object")
     try:
-        return ModelConfig.model_validate(data)
+        config = ModelConfig.model_validate(data)
+        config.check_complete()
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "config"
         raise ImportRefused(f"{path.name}: {where}: {first.get('msg', 'invalid')}") from None
+    except ValueError as exc:
+        raise ImportRefused(f"{path.name}: {exc}") from None
+    return config
 
 
 def stored_version_of(store: ModelStore, name: str, digest: str) -> int | None:

@@ -8,12 +8,13 @@ sha256 + optimizer version + graph settings) and checksums match, otherwise opti
 a time per version: replicas starting together optimize it once), and reusing the tuner's record made on
 this device. Metadata changes are read-modify-writes under the store's lock, and only when something
 changed, so processes sharing the store never undo each other's records. Nothing here
-blocks the event loop: optimizing runs in a child process, loading and disk I/O in threads, inference on
-each batcher's engine threads. A model unloaded through the repository extension (``registry.repository``)
-keeps its versions in the table as UNLOADED, without engines, until it is loaded again; a restart keeps it
-so. This package knows no protocol; it raises ``service.errors`` classes.
-
-each batcher's engine threads. This package knows nothing about HTTP; it raises ``service.errors`` classes.
+blocks the event loop: optimizing runs in a child process, disk I/O in threads, and each version's engine is
+loaded, warmed and served by its own engine thread (``runtime.engine_thread``: ONNX Runtime keeps CUDA graphs
+per thread, so each bucket is warmed once, there). Each load logs its phases with their durations (optimize,
+read, tune, session, warm per bucket, activate: ``runtime.phases``) and reports them to the metrics. A model
+unloaded through the repository extension (``registry.repository``) keeps its versions in the table as
+UNLOADED, without engines, until it is loaded again; a restart keeps it so. This package knows no protocol;
+it raises ``service.errors`` classes.
 
 What is served never disagrees with the store: a delete changes the store first and unloads only once the
 version is gone from disk, so a refused write (read-only or full store: a 507 naming the cause) leaves the
@@ -28,6 +29,7 @@ import contextlib
 import functools
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,17 +52,22 @@ from service.registry.metadata import (
     SCHEMA_VERSION,
     OptimizationRecord,
     VersionMetadata,
+    now_iso,
     stored_record,
 )
 from service.registry.optimizing import Optimizations
 from service.registry.repository import is_unloaded
+from service.registry.search_later import DeferredSearches
 from service.registry.store import ModelStore
 from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
 from service.registry.version import MetricsSink, ModelState, ModelVersion
-from service.runtime.contract import EngineLoader, EngineOptions, LoadRequest
+from service.runtime.contract import EngineLoader, EngineOptions, LoadedEngine, LoadRequest
+from service.runtime.conv_search import pending as search_pending
 from service.runtime.engine_process.devices import DeviceBoard
+from service.runtime.engine_thread import EngineThreads
 from service.runtime.loading import load_in_process
+from service.runtime.phases import LoadPhases
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -144,6 +151,7 @@ class ModelManager:
         self._optimizing = Optimizations(settings, self.store, self.check_accepting,
                                          server_variants(settings) if variants is None else variants)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
+        self._searches = DeferredSearches(self.store, self.check_accepting, self._save_verdict)
         self._started = False
         self.stopping = False
 
@@ -183,6 +191,7 @@ class ModelManager:
         """Refuse new work, let in-flight requests finish within ``grace_s``, close every engine."""
         self.stopping = True
         self._optimizing.kill_all()
+        await self._searches.stop()
         if self._follower is not None:
             await self._follower.stop()
         everything = list(self.table)
@@ -247,7 +256,9 @@ class ModelManager:
                 raise ConflictError(f"model {quoted(name)} is unloaded: load it first (repository extension)")
             effective = config.effective(self.settings)
             out_dir = await asyncio.to_thread(self.store.new_staging_dir)
+            optimizing = time.perf_counter()
             outcome = await self._optimizing.run(staged, out_dir, effective, f"the upload of {name}")
+            optimize_s = time.perf_counter() - optimizing
             self.check_accepting()
             metadata = await asyncio.to_thread(self._optimizing.new_metadata, outcome, config, effective)
             async with self.store_lock:
@@ -262,7 +273,7 @@ class ModelManager:
             if out_dir is not None:
                 shutil.rmtree(out_dir, ignore_errors=True)
         try:
-            await self._load(mv)
+            await self._load(mv, LoadPhases({"optimize": optimize_s}, {"optimize": "optimized and verified"}))
         except BaseException as exc:
             await mv.shutdown(timeout_s=0)
             await self._roll_back(mv, exc)
@@ -343,9 +354,12 @@ class ModelManager:
             mv = self._register(name, version, metadata, metadata.config.effective(self.settings))
             if raw.get("schema_version") != metadata.schema_version:
                 await self._save_metadata(mv, _migrated, "its migrated metadata")
-            if not await asyncio.to_thread(self._optimizing.cache_valid, mv):
+            checking = time.perf_counter()
+            reused = await asyncio.to_thread(self._optimizing.cache_valid, mv)
+            if not reused:
                 await self._optimizing.refresh(mv)
-            await self._load(mv)
+            note = "optimized files reused" if reused else "optimized again"
+            await self._load(mv, LoadPhases({"optimize": time.perf_counter() - checking}, {"optimize": note}))
         except Exception as exc:
             if isinstance(exc, ServiceError):
                 log.error("model %s version %d failed to load: %s", name, version, exc.message)
@@ -356,8 +370,9 @@ class ModelManager:
             mv.fail(exc)
             await mv.shutdown(timeout_s=0)
 
-    async def _load(self, mv: ModelVersion) -> None:
-        """Load the engine (the tuner picks a variant; its record is stored), start the batcher, warm."""
+    async def _load(self, mv: ModelVersion, phases: LoadPhases) -> None:
+        """Load the engine on the version's engine thread (the tuner picks a variant; its record is stored),
+        start the batcher on that thread, warm the path; log and report the load's phases."""
         assert mv.metadata is not None and mv.metadata.optimization is not None
         request = LoadRequest(
             files={name: str(self.store.file_path(mv.name, mv.version, entry.file))
@@ -365,8 +380,14 @@ class ModelManager:
             options=engine_options(self.settings, mv.config), precision=mv.config.precision,
             cached_choice=mv.metadata.engine, batch_limit=mv.config.max_batch_size, label=mv.name,
             cached_records=tuple(mv.metadata.engines.values()),
+            known_faults=tuple(await asyncio.to_thread(self.store.tuner_faults)),
         )
-        loaded = await asyncio.to_thread(self._engine_loader, request)
+        threads = EngineThreads(f"{mv.name}:{mv.version}")
+        try:
+            loaded = await threads.run(self._engine_loader, request)
+        except BaseException:
+            threads.shutdown()
+            raise
         try:
             before = mv.metadata
             records = (*loaded.records, loaded.record)  # the served device's last: it is the version's engine
@@ -376,11 +397,28 @@ class ModelManager:
                 if not before.records_engine(record):
                     change = functools.partial(_with_record, record, _run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
-            await mv.activate(loaded.engine)
+            await _save_faults(self.store, mv, [fault for record in records if not record.get("reused")
+                                         for fault in record.get("faults") or ()])
+            activating = time.perf_counter()
+            await mv.activate(loaded.engine, threads)
+            phases.add("activate", time.perf_counter() - activating)
+            if search_pending(loaded.record):
+                self._searches.schedule(mv, request, loaded.record)
         except BaseException:
             if not mv.has_engine:
-                await asyncio.to_thread(loaded.engine.close)
+                await threads.run(loaded.engine.close)
+                threads.shutdown()
             raise
+        self._report_load(mv, loaded, phases)
+
+    def _report_load(self, mv: ModelVersion, loaded: LoadedEngine, phases: LoadPhases) -> None:
+        """One log line with every phase of the load, and the phases to the metrics."""
+        for phase, seconds in loaded.phases.seconds.items():
+            phases.add(phase, seconds, loaded.phases.notes.get(phase))
+        phases.warm_buckets.update(loaded.phases.warm_buckets)
+        log.info("%s v%d ready: %s", mv.name, mv.version, phases.text())
+        if self.metrics is not None:
+            self.metrics.observe_load(mv.name, mv.version, phases)
 
     async def _save_metadata(
         self, mv: ModelVersion, change: Callable[[dict[str, Any]], dict[str, Any] | None], what: str
@@ -394,9 +432,27 @@ class ModelManager:
             log.warning("%s v%d: %s was not saved (%s); it serves, and a later start repeats the work",
                         mv.name, mv.version, what, exc.message)
 
+    async def _save_verdict(self, mv: ModelVersion, record: dict[str, Any]) -> None:
+        """Store a tuner record whose cuDNN search was compared later (the next load builds with it)."""
+        assert mv.metadata is not None
+        change = functools.partial(_with_record, record, _run_of(mv.metadata.optimization))
+        await self._save_metadata(mv, change, "the cuDNN search verdict")
+
     def report_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_loaded_models(self.table.ready_count())
+
+
+async def _save_faults(store: ModelStore, mv: ModelVersion, faults: list[dict[str, Any]]) -> None:
+    """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
+    if not faults:
+        return
+    try:
+        await asyncio.to_thread(store.add_tuner_faults, [{**f, "seen": now_iso(), "model": mv.name} for f in faults])
+        log.info("%s v%d: kept the tuner's GPU faults: %s", mv.name, mv.version, [f.get("config") for f in faults])
+    except (OSError, ServiceError) as exc:  # only a cache of what to skip: the version serves regardless
+        log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
+                    mv.name, mv.version, exc.message if isinstance(exc, ServiceError) else exc)
 
 
 def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:

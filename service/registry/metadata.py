@@ -58,6 +58,13 @@ class OptimizationRecord(_Record):
     optimized_at: str
     duration_s: float
     variants: dict[str, VariantRecord]
+    made_for: list[str] | None = Field(None, exclude_if=lambda value: value is None)
+    """The variants the optimizer was asked for ("fused", "plain"): a graph FusedConv leaves unchanged is
+    stored once, as "plain". None: a release that made every variant."""
+
+    @property
+    def made_for_set(self) -> frozenset[str]:
+        return frozenset(self.made_for) if self.made_for is not None else frozenset({"fused", "plain"})
 
 
 class VersionMetadata(_Record):

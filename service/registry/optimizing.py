@@ -74,12 +74,16 @@ class Optimizations:
             self.count += 1
             log.info("optimizing %s", what)
             try:
-                return await self._runner.run(source, out_dir, fused_conv=config.fused_conv, verify=config.verify,
-                                              image=image_args(config), tolerance=config.tolerance,
-                                              plain="plain" in self.variants)
+                return await self._runner.run(source, out_dir, variants=self.to_make(config), verify=config.verify,
+                                              image=image_args(config), tolerance=config.verify_tolerance)
             except OptimizationError:
                 self._check_accepting()  # killed by stop(): say so rather than "crashed"
                 raise
+
+    def to_make(self, config: EffectiveConfig) -> frozenset[str]:
+        """The variants a version with ``config`` gets here: what this server can serve, "plain" alone where
+        the config allows no FusedConv."""
+        return self.variants if config.fused_conv else frozenset({"plain"})
 
     def record(self, outcome: OptimizeOutcome, config: EffectiveConfig) -> OptimizationRecord:
         """Runs in a thread (hashes the optimized files)."""
@@ -93,7 +97,7 @@ class Optimizations:
         return OptimizationRecord(
             cache_key=cache_key(outcome.sha256, OPTIMIZER_VERSION, config.graph_fields()),
             optimizer_version=OPTIMIZER_VERSION, fields=config.graph_fields(), optimized_at=now_iso(),
-            duration_s=round(outcome.duration_s, 3), variants=variants,
+            duration_s=round(outcome.duration_s, 3), variants=variants, made_for=sorted(self.to_make(config)),
         )
 
     def new_metadata(
@@ -118,9 +122,10 @@ class Optimizations:
         if optimization is None or optimization.cache_key != expected or not optimization.variants:
             log.info("%s v%d: optimized cache is stale (settings or optimizer changed)", mv.name, mv.version)
             return False
-        if "plain" in self.variants and "plain" not in optimization.variants:
-            log.info("%s v%d: optimized without the 'plain' variant, which this server can serve", mv.name,
-                     mv.version)
+        missing = self.to_make(mv.config) - optimization.made_for_set
+        if missing:
+            log.info("%s v%d: optimized without the variant(s) %s, which this server can serve", mv.name,
+                     mv.version, ", ".join(sorted(missing)))
             return False
         for entry in optimization.variants.values():
             try:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from service.errors import ConflictError, NotFoundError, UnprocessableError
+from service.registry.control import StoredVersions
 from service.registry.store import ModelStore, atomic_write
 from service.registry.table import quoted
 from service.registry.version import ModelState, ModelVersion
-
-if TYPE_CHECKING:
-    from service.registry.manager import ModelManager
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +53,9 @@ def clear_unloaded(store: ModelStore, name: str) -> None:
 
 # ------------------------------------------------------------------ the operations
 class Repository:
-    """Index, load and unload over one process's ``ModelManager``."""
+    """Index, load and unload over one process's stored versions (its ``ModelManager``)."""
 
-    def __init__(self, manager: ModelManager) -> None:
+    def __init__(self, manager: StoredVersions) -> None:
         self.manager = manager
 
     async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:

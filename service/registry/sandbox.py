@@ -7,10 +7,12 @@ a child with an address-space limit (``RLIMIT_AS``) and a wall-clock timeout, su
 failed upload (``OptimizationError``, 422), never the server. The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed server leaves no orphan writing into the store.
 
-Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --fused-conv 0|1 --plain 0|1 --verify 0|1
---memory-limit-mb N [--preprocess JSON] [--label-count N]``. The child writes the optimized variants into
-OUT_DIR (``optimized.onnx``, and ``optimized-plain.onnx`` when FusedConv changed the graph and ``--plain``
-asks for it) and ``result.json`` last. The parent reads only ``result.json``; a missing or unreadable one
+Protocol: ``python -m service.registry.sandbox INPUT OUT_DIR --variants fused,plain --verify 0|1
+--memory-limit-mb N [--preprocess JSON] [--label-count N] [--rtol R] [--atol A]``; ``--rtol``/``--atol``
+come only where the model sets its own tolerance (left out, verification takes the default of the graph's
+precision). The child writes the optimized variants into OUT_DIR (``optimized.onnx``, and
+``optimized-plain.onnx`` when both are asked for and FusedConv changed the graph) and ``result.json``
+last. The parent reads only ``result.json``; a missing or unreadable one
 means the child crashed. ``result.json``'s signature is the SERVED graph's (what clients send).
 
 Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` (the labels of its
@@ -19,10 +21,9 @@ Image models: ``--preprocess`` (a ``Preprocess`` as JSON) and ``--label-count`` 
 (``OptimizerConfig.input_normalization``) and verified against the original fed the normalised floats.
 
 Variants: "fused" (com.microsoft.FusedConv allowed) is what ORT's CPU provider likes; "plain" (no
-FusedConv) is often faster on CUDA (FusedConv has no NHWC form) and is what the OpenVINO EP runs. The
-engine's tuner measures both, so both are produced when FusedConv is allowed, actually fused something,
-and the server can choose "plain" (``--plain 1``; ``runtime.tuner.choosable_variants``): a server without
-CUDA or OpenVINO never could, and is spared its optimization and verification.
+FusedConv) is what CUDA (NHWC; FusedConv has no NHWC form) and the OpenVINO EP run. Only the variants the
+server's tuner can choose among are made (``--variants``; ``runtime.tuner.choosable_variants``); when a graph
+has nothing FusedConv could fuse, one file serves as "plain".
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import VerifyTolerance
-from service.optimizer.verify import DEFAULT_ATOL, DEFAULT_RTOL
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +143,16 @@ class OptimizerRunner:
         self._lock = threading.Lock()
 
     async def run(
-        self, source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, image: ImageArgs | None = None,
-        tolerance: VerifyTolerance | None = None, plain: bool = True,
+        self, source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, image: ImageArgs | None = None,
+        tolerance: VerifyTolerance | None = None,
     ) -> OptimizeOutcome:
         """Optimize ``source`` into ``out_dir`` (an empty folder) without blocking the event loop.
         If the caller is cancelled (client gone, shutdown), the child is killed."""
         job = _Job()
         try:
             return await asyncio.to_thread(
-                self.run_sync, source, out_dir, fused_conv=fused_conv, verify=verify, image=image,
-                tolerance=tolerance, plain=plain, job=job,
+                self.run_sync, source, out_dir, variants=variants, verify=verify, image=image,
+                tolerance=tolerance, job=job,
             )
         except asyncio.CancelledError:
             job.cancel()
@@ -163,19 +163,16 @@ class OptimizerRunner:
         source: Path,
         out_dir: Path,
         *,
-        fused_conv: bool,
+        variants: frozenset[str],
         verify: bool,
         image: ImageArgs | None = None,
         tolerance: VerifyTolerance | None = None,
-        plain: bool = True,
         job: _Job | None = None,
     ) -> OptimizeOutcome:
         started = time.monotonic()
-        tolerance = tolerance or VerifyTolerance()
         command = [
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
-            "--fused-conv", str(int(fused_conv)), "--plain", str(int(plain)), "--verify", str(int(verify)),
-            "--rtol", repr(tolerance.rtol), "--atol", repr(tolerance.atol),
+            "--variants", ",".join(sorted(variants)), "--verify", str(int(verify)), *_tolerance_argv(tolerance),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
@@ -197,7 +194,7 @@ class OptimizerRunner:
                 _kill(proc)
                 proc.communicate()
                 raise OptimizationError(
-                    f"optimization timed out after {self.timeout_s:g} s (limit: optimizer.timeout_s)"
+                    f"optimization timed out after {self.timeout_s:g} s (limit: SERVICE_OPTIMIZER_TIMEOUT_S)"
                 ) from None
         finally:
             with self._lock:
@@ -248,13 +245,13 @@ def _read_result(
         if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or _looks_like_oom(tail):
             raise OptimizationError(
                 f"optimization exceeded the memory limit of {limit_mb} MiB or crashed "
-                "(limit: optimizer.memory_limit_mb)"
+                "(limit: SERVICE_OPTIMIZER_MEMORY_MB)"
             )
         raise OptimizationError(f"optimization failed: the optimizer process exited with status {returncode}")
     if not result.get("ok"):
         if result.get("error") == "memory":
             raise OptimizationError(
-                f"optimization exceeded the memory limit of {limit_mb} MiB (limit: optimizer.memory_limit_mb)"
+                f"optimization exceeded the memory limit of {limit_mb} MiB (limit: SERVICE_OPTIMIZER_MEMORY_MB)"
             )
         error = _ERRORS.get(str(result.get("error")), OptimizationError)
         raise error(client_message(str(result.get("message") or "optimization failed"), out_dir, source))
@@ -279,6 +276,15 @@ def client_message(text: str, *private: Path | None) -> str:
         text = re.sub(re.escape(folder) + r"[^\s'\"]*", "<file>", text)
     text = _SIGNATURE_RE.sub("", _SOURCE_PATH_RE.sub("", text)).strip()
     return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _tolerance_argv(tolerance: VerifyTolerance | None) -> list[str]:
+    """``--rtol``/``--atol`` for the fields a model set; none for the rest, which the child then takes from
+    the graph's precision (so "the default" and "the model's own" stay apart across the command line)."""
+    if tolerance is None:
+        return []
+    pairs = (("--rtol", tolerance.rtol), ("--atol", tolerance.atol))
+    return [arg for flag, value in pairs if value is not None for arg in (flag, repr(value))]
 
 
 def _looks_like_oom(text: str) -> bool:
@@ -310,16 +316,14 @@ def _fused_conv_count(model: Any) -> int:
 
 
 def _job(
-    source: Path, out_dir: Path, *, fused_conv: bool, verify: bool, preprocess: str | None = None,
-    label_count: int | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
-    make_plain: bool = True,
+    source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, preprocess: str | None = None,
+    label_count: int | None = None, rtol: float | None = None, atol: float | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
     from service.imaging.config import Preprocess
-    from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.io import parse_model_bytes
-    from service.optimizer.shapes import output_dims
+    from service.optimizer.verify_shared import shared_reference_runs
     from service.registry.acceptance import validate_model
     from service.registry.image_config import check_labels, image_normalization
     from service.runtime.contract import Signature
@@ -333,28 +337,39 @@ def _job(
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))
     check_labels(uploaded, label_count)
-    variants: dict[str, dict[str, Any]] = {}
-    first, report = optimize(model, OptimizerConfig(fused_conv=fused_conv, verify=verify, rtol=rtol, atol=atol,
-                                                    input_normalization=normalization))
+    options = {"verify": verify, "rtol": rtol, "atol": atol, "input_normalization": normalization}
+    with shared_reference_runs():  # the variants' verifications run the original once per input set
+        signature, made = _optimize_variants(model, variants, options, out_dir)
+    return _result(digest, source, signature, made)
+
+
+def _optimize_variants(
+    model: Any, variants: frozenset[str], options: dict[str, Any], out_dir: Path
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The served signature and {variant: {"file", "report"}}: "fused" first when asked for (it says whether
+    FusedConv changes the graph at all), then "plain"; each saved to ``out_dir`` once ORT loads it."""
+    from service.optimizer import OptimizerConfig, optimize
+    from service.optimizer.shapes import output_dims
+    from service.runtime.contract import Signature
+
+    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, **options))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
     # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
     # computes the same outputs (the optimizer proved it)
     signature = Signature.from_onnx(first).with_output_dims(output_dims(model))
     fused_made = _fused_conv_count(first) > _fused_conv_count(model)
-    if not verify:
+    if not options["verify"]:
         _smoke_run(first)
     _save_variant(first, out_dir / FUSED_FILE)
     if not fused_made:  # one graph serves as either variant
-        variants["plain"] = {"file": FUSED_FILE, "report": report.to_dict()}
-        return _result(digest, source, signature, variants)
-    variants["fused"] = {"file": FUSED_FILE, "report": report.to_dict()}
+        return signature, {"plain": {"file": FUSED_FILE, "report": report.to_dict()}}
+    made = {"fused": {"file": FUSED_FILE, "report": report.to_dict()}}
     del first
-    if make_plain:
-        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, verify=verify, rtol=rtol,
-                                                              atol=atol, input_normalization=normalization))
+    if "plain" in variants:
+        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, **options))
         _save_variant(plain, out_dir / PLAIN_FILE)
-        variants["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    return _result(digest, source, signature, variants)
+        made["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
+    return signature, made
 
 
 def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -414,24 +429,32 @@ def _failure(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "error": "OptimizationError", "message": f"optimizer failed ({type(exc).__name__})"}
 
 
+def _variant_list(text: str) -> frozenset[str]:
+    names = frozenset(filter(None, text.split(",")))
+    if not names or not names <= {"fused", "plain"}:
+        raise argparse.ArgumentTypeError(f"variants are fused and/or plain, not {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.registry.sandbox")
     parser.add_argument("source", type=Path)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--fused-conv", type=int, choices=(0, 1), default=1)
-    parser.add_argument("--plain", type=int, choices=(0, 1), default=1, help="also the variant without FusedConv")
+    parser.add_argument("--variants", type=_variant_list, default=frozenset({"fused", "plain"}),
+                        help="the optimized variants to make: fused, plain or both (comma-separated)")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
     parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="verification tolerance, relative")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="verification tolerance, absolute")
+    parser.add_argument("--rtol", type=float, default=None, help="verification tolerance, relative (default: by "
+                        "the graph's precision)")
+    parser.add_argument("--atol", type=float, default=None, help="verification tolerance, absolute (default: by "
+                        "the graph's precision)")
     args = parser.parse_args(argv)
     _limit_resources(args.memory_limit_mb)
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
-        result = _job(args.source, args.out_dir, fused_conv=bool(args.fused_conv), make_plain=bool(args.plain),
-                      verify=bool(args.verify),
+        result = _job(args.source, args.out_dir, variants=args.variants, verify=bool(args.verify),
                       preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):

@@ -5,6 +5,7 @@ Layout::
     root/.staging/<owner>-<uuid>...   uploads and optimizer outputs in progress
     root/.owners/<owner>.lock         held (flock) by the live process that owns the entries tagged <owner>
     root/.lock, root/.prepare.lock    version numbers; preparing a fresh store (demo model, imports)
+    root/.tuner-faults.json           tuner configurations that faulted a GPU (``runtime.tuner_faults``)
     root/<name>/<version>/            one complete version: original.onnx, optimized.onnx (+ variants such
                                       as optimized-plain.onnx), metadata.json (.optimize.lock: optimizing
                                       it again)
@@ -58,6 +59,9 @@ _LAST_VERSION = ".last-version"
 _LOCK = ".lock"
 _PREPARE_LOCK = ".prepare.lock"
 _OPTIMIZE_LOCK = ".optimize.lock"
+_TUNER_FAULTS = ".tuner-faults.json"
+MAX_TUNER_FAULTS = 500
+"""Fault entries kept (the newest): a bound on the file, far above what a store meets (a few per GPU model)."""
 _TMP_PREFIX = ".tmp-"
 _TAG_RE = re.compile(r"([0-9a-f]{16})-[0-9a-f]{32}", re.ASCII)
 """``<owner>-<uuid>``: the tag of every in-progress entry (staging entries, temp folders, temp files)."""
@@ -199,11 +203,12 @@ class ModelStore:
         self.staging_dir.mkdir(exist_ok=True)
 
     def new_staging_file(self, suffix: str = ".part") -> Path:
-        """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in)."""
+        """A fresh empty file under ``.staging`` (same filesystem as the store, so it can be renamed in: an
+        upload becomes the version's ``original.onnx``, mode 0644 less the umask like the store's other files)."""
         path = self.staging_dir / f"{self._tag()}{suffix}"
         with _disk_errors():
             self._ensure_staging()
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         return path
 
     def new_staging_dir(self) -> Path:
@@ -308,6 +313,14 @@ class ModelStore:
                 self.write_metadata(name, version, updated)
         return updated is not None
 
+    def add_tuner_faults(self, entries: list[dict[str, Any]]) -> None:
+        """Keep these faults beside the ones stored (read-modify-write under the store lock); an entry equal
+        to a stored one but for ``seen`` replaces it."""
+        with _disk_errors(), self._locked():
+            fresh = {_fault_key(entry) for entry in entries}
+            kept = [entry for entry in self.tuner_faults() if _fault_key(entry) not in fresh] + list(entries)
+            atomic_write(self.root / _TUNER_FAULTS, _dump({"faults": kept[-MAX_TUNER_FAULTS:]}), owner=self.owner)
+
     def delete_version(self, name: str, version: int) -> None:
         """Remove a version: it disappears in one rename, then its files are deleted. When the rename is
         refused (read-only store, permissions) the version is still complete and the error says why."""
@@ -340,6 +353,15 @@ class ModelStore:
         if not isinstance(data, dict):
             raise ValueError(f"metadata of {name} v{version} is not an object")
         return data
+
+    def tuner_faults(self) -> list[dict[str, Any]]:
+        """The tuner faults kept in this store (none when the file is missing or unreadable)."""
+        try:
+            data = json.loads((self.root / _TUNER_FAULTS).read_bytes())
+        except (OSError, ValueError):
+            return []
+        faults = data.get("faults") if isinstance(data, dict) else None
+        return [entry for entry in faults if isinstance(entry, dict)] if isinstance(faults, list) else []
 
     def list_models(self) -> dict[str, list[int]]:
         """Every model name with its complete versions, ascending."""
@@ -436,6 +458,11 @@ def _leftover(check: OwnerCheck, name: str) -> bool:
     """An in-progress entry whose owner is gone, or one without an owner tag (a release before tags)."""
     tag = _TAG_RE.search(name)
     return tag is None or check.gone(tag.group(1))
+
+
+def _fault_key(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a tuner fault the same one: the GPU model, ORT version, graph and configuration."""
+    return tuple(entry.get(k) for k in ("device", "ort_version", "graph_sha256", "config"))
 
 
 def _dump(data: dict[str, Any]) -> bytes:

@@ -13,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
+from service.registry.control import FollowedVersions
 from service.registry.metadata import age_s
 from service.registry.repository import is_unloaded
 from service.registry.version import ModelState
-
-if TYPE_CHECKING:
-    from service.registry.manager import ModelManager
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +26,7 @@ SETTLE_S = 600.0
 
 
 class StoreFollower:
-    def __init__(self, manager: ModelManager, interval_s: float) -> None:
+    def __init__(self, manager: FollowedVersions, interval_s: float) -> None:
         self._manager = manager
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None

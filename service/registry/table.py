@@ -83,10 +83,14 @@ class ModelTable:
             raise ModelNotReadyError(f"model {quoted(name)} version {version} is {mv.state.value.lower()}{detail}")
         return mv
 
+    def ready_names(self) -> list[str]:
+        """The models that have a version ready to serve, by name."""
+        return [name for name in self.names()
+                if any(mv.state is ModelState.READY for mv in self._models[name].values())]
+
     def only_model(self) -> ModelVersion:
-        """The newest ready version of the one model that has one (a request that names no model)."""
-        ready = [name for name in self.names()
-                 if any(mv.state is ModelState.READY for mv in self._models[name].values())]
+        """The newest ready version of the one model that has one."""
+        ready = self.ready_names()
         if len(ready) != 1:
             if not ready:
                 raise BadRequestError("no model is loaded: upload one first")

@@ -24,6 +24,8 @@ from service.registry.metadata import VersionMetadata
 from service.registry.statistics import VersionStatistics
 from service.runtime.batcher import Batcher, BatchPolicy
 from service.runtime.contract import Engine, InferenceRequest, Signature
+from service.runtime.engine_thread import EngineThreads
+from service.runtime.phases import LoadPhases
 
 
 class ModelState(enum.StrEnum):
@@ -38,6 +40,7 @@ class MetricsSink(Protocol):
     def observe_batch(self, model: str, version: int, batch_size: int, compute_s: float) -> None: ...
     def set_queue_depth(self, model: str, version: int, depth: int) -> None: ...
     def set_loaded_models(self, count: int) -> None: ...
+    def observe_load(self, model: str, version: int, phases: LoadPhases) -> None: ...
     def forget_version(self, model: str, version: int) -> None: ...
 
 
@@ -139,8 +142,9 @@ class ModelVersion:
         return InferenceResult(outputs, result.queue_s, result.compute_s, result.batch_size)
 
     # ------------------------------------------------------------------ lifecycle (the manager's calls)
-    async def activate(self, engine: Engine) -> None:
-        """Attach a loaded engine, start the batcher, warm the whole path once; then READY."""
+    async def activate(self, engine: Engine, threads: EngineThreads | None = None) -> None:
+        """Attach a loaded engine, start the batcher (its calls run on ``threads``: the thread that loaded the
+        engine), warm the whole path once; then READY."""
         self._engine = engine
         stored = {spec.name: spec.shape for spec in self.metadata.signature.outputs} if self.metadata else {}
         served = engine.signature.with_output_dims(stored)  # the stored outputs' inferred dims, where none
@@ -148,7 +152,8 @@ class ModelVersion:
         self.max_batch_size = self.signature.samples_per_call(self.config.max_batch_size, engine.max_batch_size)
         config = self.config
         policy = BatchPolicy(self.max_batch_size, config.max_delay_s, config.queue_size, config.timeout_s)
-        self._batcher = Batcher(engine, policy, name=f"{self.name}:{self.version}", observer=self._reporter)
+        self._batcher = Batcher(engine, policy, name=f"{self.name}:{self.version}", observer=self._reporter,
+                                threads=threads)
         self._reporter.on_depth(0)  # the series exists from the start
         self._batcher.start()
         warm = self._warmup_request()

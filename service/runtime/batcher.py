@@ -4,10 +4,12 @@ Concurrent requests for one model are queued, merged up to ``policy.max_batch_si
 ``policy.max_delay_s`` has passed since the oldest one was queued), run in ONE engine call and split back so
 that every caller gets exactly its own rows (``runtime.batching``). Why this shape:
 
-* An engine in this process is not thread-safe (one IO binding, one CUDA graph per bucket), so engine calls
-  happen on ``engine.max_concurrent_calls`` dedicated threads (one for an engine here; a pool of connections
-  to the engine process takes more, so the next batch forms and travels while one runs); the asyncio task
-  only forms batches and resolves futures.
+* An engine in this process is not thread-safe (one IO binding, one CUDA graph per bucket) and ONNX Runtime
+  keeps its CUDA graphs per thread, so every engine call happens on the version's engine thread: the thread
+  that loaded and warmed it (``runtime.engine_thread.EngineThreads``, handed in by the registry). A pool of
+  connections to the engine process takes ``engine.max_concurrent_calls`` calls at once, so it gets that many
+  threads (the next batch forms and travels while one runs). The asyncio task only forms batches and
+  resolves futures; the event loop never calls the engine.
 * The queue is bounded in *samples*, not requests: a request carrying its own batch of N counts N. When it is
   full, ``submit`` fails at once with ``QueueFullError`` (503 + Retry-After) instead of letting memory and
   latency grow without bound.
@@ -16,7 +18,7 @@ that every caller gets exactly its own rows (``runtime.batching``). Why this sha
   breaks the batch it was part of.
 * A request larger than ``max_batch_size`` runs alone (the engine chunks it).
 * Outputs are copied per caller, so no caller ever holds a view into a buffer the engine may reuse.
-* A lone request on an idle server runs on the event loop itself (``INLINE_MAX_S``): see ``submit``.
+* A lone request on an idle server skips the queue (``DIRECT_MAX_S``): see ``submit``.
 
 Requests arrive checked (``InferenceRequest``); this module imports nothing from the web layer.
 """
@@ -24,14 +26,12 @@ Requests arrive checked (``InferenceRequest``); this module imports nothing from
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import itertools
 import logging
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,13 +49,19 @@ from service.errors import (
 )
 from service.runtime.batching import shape_key, split_rows
 from service.runtime.contract import Engine, InferenceRequest
+from service.runtime.engine_thread import EngineThreads
 from service.runtime.request_queue import QueuedRequest, RequestQueue, timeout_error
 
 log = logging.getLogger(__name__)
 
-INLINE_MAX_S = 0.001
-"""A lone request on an idle server runs on the event loop when the engine last served that many samples
-within this time: the hand-over to the engine thread and back costs more than a fast GPU call."""
+DIRECT_MAX_S = 0.001
+"""A lone request on an idle server skips the queue when the engine last served that many samples within this
+time: the event loop hands it straight to the engine thread and waits for the answer, since the queue's path
+(the batching task, a task per batch, the future's hand-back) costs more than a fast GPU call
+(bench/lone_request.py)."""
+DIRECT_WAIT_S = 0.005
+"""How long the event loop waits for a direct call before it awaits it like any other (an engine that is
+slower this time, e.g. behind another engine's capture, never holds the loop longer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +72,14 @@ class BatchPolicy:
     max_delay_s: float
     queue_size: int
     timeout_s: float
-    inline_max_s: float = INLINE_MAX_S
-    """0: never inline. Ignored (0) for a model with a batching delay: its lone requests wait for company."""
+    direct_max_s: float = DIRECT_MAX_S
+    """0: never direct. Ignored (0) for a model with a batching delay: its lone requests wait for company."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.queue_size < 1 or self.max_delay_s < 0 or self.timeout_s <= 0:
             raise ValueError("need max_batch_size >= 1, queue_size >= 1, max_delay_s >= 0, timeout_s > 0")
-        if self.inline_max_s < 0:
-            raise ValueError("need inline_max_s >= 0")
+        if self.direct_max_s < 0:
+            raise ValueError("need direct_max_s >= 0")
 
 
 class BatchObserver(Protocol):
@@ -96,10 +102,12 @@ class BatchResult:
 
 
 class Batcher:
-    """Queue + batch former + single engine thread for one loaded model version."""
+    """Queue + batch former for one loaded model version; its engine runs on ``threads`` (the thread that
+    loaded it; a new one when None: an engine built elsewhere, e.g. in a test)."""
 
     def __init__(
-        self, engine: Engine, policy: BatchPolicy, *, name: str = "model", observer: BatchObserver | None = None
+        self, engine: Engine, policy: BatchPolicy, *, name: str = "model", observer: BatchObserver | None = None,
+        threads: EngineThreads | None = None,
     ) -> None:
         self._engine = engine
         self.policy = policy
@@ -113,18 +121,19 @@ class Batcher:
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
+        self._finalized = False
         self._forming: list[QueuedRequest] = []
         self._executing = 0
         self.in_flight = max(1, int(engine.max_concurrent_calls))
         """Batches handed to the engine at once (its engine threads)."""
+        self._threads = threads if threads is not None else EngineThreads(name)
+        self._threads.widen(self.in_flight)
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task[None]] = set()
-        self.inline_max_s = policy.inline_max_s if policy.max_delay_s == 0 else 0.0
+        self.direct_max_s = policy.direct_max_s if policy.max_delay_s == 0 else 0.0
         self._lone_run_s: dict[int, float] = {}
-        """The engine's own time for a lone request, per sample count (the inline rule compares it)."""
-        self._engine_threads: set[int] = set()  # the executor's threads (for _engine_stacks)
+        """The engine's own time for a lone request, per sample count (the direct rule compares it)."""
 
     # ------------------------------------------------------------------ public API
 
@@ -138,30 +147,23 @@ class Batcher:
         return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        """Create the batching task and the engine threads. Call inside the running event loop (which may run
-        lone requests inline: a CUDA-graph engine captures its graphs for this thread now, not in a request)."""
+        """Create the batching task. Call inside the running event loop; it does no engine work."""
         if self._task is not None:
             raise RuntimeError("batcher already started")
-        if self.inline_max_s > 0:
-            self._engine.prepare_thread()
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.in_flight)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.in_flight,
-            thread_name_prefix=f"engine-{self.name}"[:40],
-            initializer=lambda: self._engine_threads.add(threading.get_ident()),
-        )
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
     async def submit(self, request: InferenceRequest, *, alone: bool = False) -> BatchResult:
         """Queue one request and wait for its rows of the batch result.
 
         ``alone``: the caller knows no other request is in progress. Then, if nothing is queued, forming
-        or running and the engine last served this many samples within ``inline_max_s``, the request runs
-        right here on the event loop: no hand-over to the engine thread and back, which costs more than a
-        fast GPU engine call on a server that is otherwise idle. Under load (not ``alone``) every request
-        takes the batching path. An engine in the engine process is judged by the time it reports for its
-        own call (``last_engine_seconds``), not by the round trip to it.
+        or running and the engine last served this many samples within ``direct_max_s``, the request skips
+        the queue: the loop hands it straight to the engine thread and waits for it (at most
+        ``DIRECT_WAIT_S``; then it awaits it), which costs less than the batching task's round trip on a
+        server that is otherwise idle. Under load (not ``alone``) every request takes the batching path. An
+        engine in the engine process is judged by the time it reports for its own call
+        (``last_engine_seconds``), not by the round trip to it.
 
         Raises QueueFullError (queue full), RequestTimeoutError (deadline passed), ShuttingDownError,
         InvalidInputError (a batch over the queue) or EngineError / the ServiceError the engine raised.
@@ -173,8 +175,8 @@ class Batcher:
             raise InvalidInputError(f"batch of {n} samples exceeds this model's limit of {self.queue_size}")
         if self._queue.depth + n > self.queue_size:
             raise QueueFullError()
-        if alone and self._may_run_inline(n):
-            return self._run_inline(inputs, n)
+        if alone and self._may_run_direct(n):
+            return await self._run_direct(inputs, n)
         now = time.monotonic()
         queued = QueuedRequest(
             rid=next(self._ids),
@@ -194,21 +196,28 @@ class Batcher:
         finally:
             self._queue.forget(queued)
 
-    def _may_run_inline(self, n: int) -> bool:
-        if self.inline_max_s <= 0 or self._queue or self._forming or self._executing:
+    def _may_run_direct(self, n: int) -> bool:
+        if self.direct_max_s <= 0 or self._queue or self._forming or self._executing:
             return False
         last = self._lone_run_s.get(n)
-        return last is not None and last <= self.inline_max_s
+        return last is not None and last <= self.direct_max_s
 
-    def _run_inline(self, inputs: dict[str, np.ndarray], n: int) -> BatchResult:
-        """One request as its own batch, on the calling (event loop) thread; see ``submit``."""
+    async def _run_direct(self, inputs: dict[str, np.ndarray], n: int) -> BatchResult:
+        """One request as its own batch on the engine thread, the loop waiting for it; see ``submit``."""
         started = time.monotonic()
+        self._executing += 1
         try:
-            outputs = self._compute([inputs], [n])[0]
+            job = self._threads.submit(self._compute, [inputs], [n])
+            try:
+                outputs = job.result(timeout=DIRECT_WAIT_S)[0]  # the loop waits: cheaper than the queue's path
+            except TimeoutError:
+                outputs = (await asyncio.wrap_future(job))[0]
         except ServiceError:
             raise
         except Exception as exc:
             raise _engine_error(self.name, exc) from exc
+        finally:
+            self._executing -= 1
         compute_s = time.monotonic() - started
         self._report_batch(n, 0.0, compute_s)
         return BatchResult(outputs, 0.0, compute_s, n)
@@ -229,7 +238,7 @@ class Batcher:
         An engine call cannot be interrupted: at the timeout its callers get ShuttingDownError while the
         call finishes on the engine thread. ``finalize`` (e.g. ``engine.close``) runs on that thread after
         the last call, so the engine is never closed under a running call; it is awaited only for what
-        is left of ``timeout_s``.
+        is left of ``timeout_s``. The engine threads end after it.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._closing = True
@@ -245,16 +254,14 @@ class Batcher:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
-        executor, self._executor = self._executor, None
-        if finalize is None:
-            if executor is not None:
-                executor.shutdown(wait=False)
+        if self._finalized:  # stopped before: the threads are gone
             return
-        if executor is None:  # never started (or stopped before): nothing can be running
-            done = asyncio.ensure_future(asyncio.to_thread(finalize))
-        else:
-            done = asyncio.wrap_future(executor.submit(finalize))
-            executor.shutdown(wait=False)
+        self._finalized = True
+        if finalize is None:
+            self._threads.shutdown()
+            return
+        done = asyncio.wrap_future(self._threads.submit(finalize))
+        self._threads.shutdown()
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout=remaining)
@@ -357,16 +364,13 @@ class Batcher:
     async def _run_live(self, live: list[QueuedRequest]) -> None:
         if not live:
             return
-        assert self._executor is not None
         total = sum(r.n for r in live)
         started = time.monotonic()
         self._executing += 1
         loop = asyncio.get_running_loop()
         watchdog = loop.call_later(self.timeout_s, self._report_stuck_call, started)
         try:
-            split = await loop.run_in_executor(
-                self._executor, self._compute, [r.inputs for r in live], [r.n for r in live]
-            )
+            split = await self._threads.run(self._compute, [r.inputs for r in live], [r.n for r in live])
         except asyncio.CancelledError:
             for request in live:
                 request.fail(ShuttingDownError("the model is shutting down"))
@@ -399,7 +403,7 @@ class Batcher:
         frames = sys._current_frames()
         stacks = [
             f"engine thread {ident}:\n" + "".join(traceback.format_stack(frames[ident]))
-            for ident in sorted(self._engine_threads)
+            for ident in sorted(self._threads.idents)
             if ident in frames
         ]
         return ":\n" + "\n".join(stacks) if stacks else ""
@@ -407,8 +411,8 @@ class Batcher:
     # ------------------------------------------------------------------ the engine thread
 
     def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
-        """Runs on an engine thread (or inline, see ``submit``): one engine call, split back (copies, never
-        views). A lone request's engine time is kept per sample count for the inline decision."""
+        """Runs on an engine thread: one engine call, split back (copies, never views). A lone request's engine
+        time is kept per sample count for the direct decision (``submit``)."""
         started = time.perf_counter()
         outputs = self._engine.run_parts(inputs)
         if len(inputs) == 1:

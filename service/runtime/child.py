@@ -8,6 +8,8 @@ wrong, and keeps running either way.
 from __future__ import annotations
 
 import multiprocessing
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,16 +28,21 @@ def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Any) -> Non
     conn.close()
 
 
-def run_in_child(fn: Callable[..., Any], args: tuple[Any, ...], *, timeout_s: float) -> Any:
-    """Return ``fn(*args)`` computed in a fresh process; ``fn`` and ``args`` must be picklable."""
+CANCEL_POLL_S = 0.2
+
+
+def run_in_child(
+    fn: Callable[..., Any], args: tuple[Any, ...], *, timeout_s: float, cancel: threading.Event | None = None
+) -> Any:
+    """Return ``fn(*args)`` computed in a fresh process; ``fn`` and ``args`` must be picklable. Setting
+    ``cancel`` kills the child within ``CANCEL_POLL_S`` (ChildProcessFailed "cancelled")."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(fn, args, sender), daemon=True)
     process.start()
     sender.close()
     try:
-        if not receiver.poll(timeout_s):
-            raise ChildProcessFailed(f"timed out after {timeout_s:.0f} s")
+        _wait(receiver, timeout_s, cancel)
         try:
             result = receiver.recv()
         except EOFError:
@@ -50,3 +57,13 @@ def run_in_child(fn: Callable[..., Any], args: tuple[Any, ...], *, timeout_s: fl
     if result[0] == "error":
         raise ChildProcessFailed(result[1])
     return result[1]
+
+
+def _wait(receiver: Any, timeout_s: float, cancel: threading.Event | None) -> None:
+    """Until the child's answer is there; ChildProcessFailed past ``timeout_s`` or once ``cancel`` is set."""
+    deadline = time.monotonic() + timeout_s
+    while not receiver.poll(max(0.0, min(CANCEL_POLL_S, deadline - time.monotonic())) if cancel else timeout_s):
+        if cancel is not None and cancel.is_set():
+            raise ChildProcessFailed("cancelled")
+        if time.monotonic() >= deadline:
+            raise ChildProcessFailed(f"timed out after {timeout_s:.0f} s")

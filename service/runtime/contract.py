@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from service.errors import EngineError, InvalidInputError, InvalidModelError, printable
+from service.runtime.phases import LoadPhases
 
 if TYPE_CHECKING:
     import onnx
@@ -375,6 +376,8 @@ class EngineOptions:
     device_id: int = 0
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    """EXHAUSTIVE, HEURISTIC or DEFAULT (ORT's names), or "auto": the CUDA tuner measures which one serves as
+    fast and records it (``runtime.conv_search``)."""
     tune_budget_s: float = 60.0
     """0: the tuner serves its first candidate untimed."""
     cpu_threads: int = 0
@@ -383,6 +386,12 @@ class EngineOptions:
 
     def replace(self, **changes: Any) -> EngineOptions:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def conv_search(self) -> str:
+        """The search a CUDA session is built with: "auto" left undecided (a load outside the tuner) is ORT's
+        own default, EXHAUSTIVE."""
+        return "EXHAUSTIVE" if self.cudnn_conv_algo_search == "auto" else self.cudnn_conv_algo_search
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -410,10 +419,11 @@ class Engine(Protocol):
     chunked when every output carries the batch) and returns the outputs: a batched output's first dimension is the
     total, any other output is whole, as the model computed it (only a ``batchable`` signature's requests are
     ever merged). At most ``max_concurrent_calls`` threads
-    may call it at once (1 for an engine in this process). ``last_engine_seconds`` is the time the device
-    itself took for the calling thread's last call (None where the engine cannot tell). ``prepare_thread``
-    readies the calling thread (a CUDA-graph engine captures its graphs per thread). ``page_locker`` is the
-    engine where it copies rows to the GPU itself (then host buffers it reads from are worth page-locking).
+    may call it at once: 1 for an engine in this process, which is called only from the thread that loaded it
+    (ORT keeps CUDA graphs per thread: ``runtime.engine_thread``); more for a pool of connections to the
+    engine process, which any thread may call. ``last_engine_seconds`` is the time the device itself took for
+    the calling thread's last call (None where the engine cannot tell). ``page_locker`` is the engine where it
+    copies rows to the GPU itself (then host buffers it reads from are worth page-locking).
     """
 
     signature: Signature
@@ -424,8 +434,6 @@ class Engine(Protocol):
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]: ...
 
     def last_engine_seconds(self) -> float | None: ...
-
-    def prepare_thread(self) -> None: ...
 
     def page_locker(self) -> PageLocker | None: ...
 
@@ -438,8 +446,9 @@ class Engine(Protocol):
 class LoadRequest:
     """A model version's engine: its optimized variants (variant name -> file path), options, precision,
     the tuner's earlier record for it (reused on the same device), the merge limit of the engine process,
-    the model's name for logs and metrics (not part of the key), and the records made on other devices
-    (replicas on other GPUs: the one of this device, if there, is reused)."""
+    the model's name for logs and metrics (not part of the key), the records made on other devices
+    (replicas on other GPUs: the one of this device, if there, is reused), and the store's record of tuner
+    configurations that faulted a GPU (``runtime.tuner_faults``)."""
 
     files: dict[str, str]
     options: EngineOptions
@@ -448,6 +457,7 @@ class LoadRequest:
     batch_limit: int
     label: str = ""
     cached_records: tuple[dict[str, Any], ...] = ()
+    known_faults: tuple[dict[str, Any], ...] = ()
 
 
 def stored_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -459,11 +469,13 @@ def stored_record(record: Mapping[str, Any]) -> dict[str, Any]:
 @dataclasses.dataclass
 class LoadedEngine:
     """An engine and the tuner's JSON-able record of how it was chosen; ``records``: the records of further
-    devices of other GPU models (an engine spread over several engine processes), kept beside ``record``."""
+    devices of other GPU models (an engine spread over several engine processes), kept beside ``record``;
+    ``phases``: how long reading, tuning, the session and the warm-up took."""
 
     engine: Engine
     record: dict[str, Any]
     records: tuple[dict[str, Any], ...] = ()
+    phases: LoadPhases = dataclasses.field(default_factory=LoadPhases)
 
 
 class EngineLoader(Protocol):

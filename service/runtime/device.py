@@ -252,7 +252,7 @@ def cuda_provider_options(
     """CUDA execution provider options for one session."""
     provider = {
         "device_id": str(options.device_id),
-        "cudnn_conv_algo_search": options.cudnn_conv_algo_search,
+        "cudnn_conv_algo_search": options.conv_search,
         "prefer_nhwc": "1" if prefer_nhwc else "0",
         "enable_cuda_graph": "1" if cuda_graph else "0",
     }

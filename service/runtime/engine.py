@@ -4,22 +4,25 @@ Why it looks like this: at batch 1 a CNN's GPU time is mostly launch overhead, s
 bucket (default 1, 2, 4, ..., 64) gets preallocated device buffers bound once (IO binding) and its own
 captured CUDA graph (``gpu_graph_id``); a batch of n samples goes into the smallest bucket >= n, each part's
 rows copied straight to their rows of the device buffer, the graph is replayed, and the first n output rows
-are copied back. Every bucket is run (and so captured) before ``load()`` returns, because EXHAUSTIVE cuDNN
-search and capture cost hundreds of milliseconds per shape. On the CPU provider IO binding brings nothing:
+are copied back. Every bucket is run (and so captured) before ``load()`` returns, because cuDNN's search for
+a new shape and the capture cost hundreds of milliseconds per shape. On the CPU provider IO binding brings nothing:
 the session runs numpy arrays directly, the buckets only cap the rows per call.
 
 Invariants: one thread at a time calls ``run_parts`` (a second concurrent caller gets an EngineError rather
 than corrupting the shared device buffers). Inputs come checked against the model's ``Signature`` (an
 ``InferenceRequest``); the engine re-checks only what keeps device memory safe (names, dtypes, sample shapes,
-rows within the bucket). ORT keeps captured CUDA graphs per calling thread, so the first call from a new
-thread captures that thread's graphs first (``prepare_thread``). Captures and every other CUDA call of this
-process's engines are kept apart by ``device.CUDA_LOCK``, so several engines can share a GPU.
+rows within the bucket). ORT's CUDA EP keeps captured CUDA graphs (and cuDNN handles) per calling thread, so
+an engine is built, warmed and served by ONE thread (the registry's ``runtime.engine_thread.EngineThreads``,
+the engine process's serving thread): each bucket is warmed exactly once, by ``load()``, on that thread. A
+call from any other thread still works (its graphs are captured first, at the cost of a second warm-up), but
+it is logged as a warning: the server never does it. Captures and every other CUDA call of this process's
+engines are kept apart by ``device.CUDA_LOCK``, so several engines can share a GPU. How the session is built
+and how long it took: ``runtime.engine_loading``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -30,11 +33,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from service.errors import EngineError, InvalidModelError, first_line
+from service.errors import EngineError, first_line
 from service.runtime.batching import concatenated, padded
 from service.runtime.buckets import (
     Bucket,
-    GraphUnusable,
     RowCopier,
     bind,
     check_replay,
@@ -43,46 +45,16 @@ from service.runtime.buckets import (
     read_outputs,
     run_options,
 )
-from service.runtime.contract import EngineOptions, PageLocker, Signature, TensorSpec, random_feeds
-from service.runtime.device import CUDA, CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime, resolve_device
-from service.runtime.openvino import ep_nodes, openvino_choice, openvino_session
-from service.runtime.sessions import CUDA_INTRA_OP_THREADS, CudaTuning, cpu_session, cuda_session
+from service.runtime.contract import EngineOptions, PageLocker, Signature, random_feeds
+from service.runtime.device import CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime
+from service.runtime.engine_loading import Variant, load_engine
+from service.runtime.sessions import CUDA_INTRA_OP_THREADS
 
 logger = logging.getLogger(__name__)
 
 WARMUP_RUNS = 4
 """ORT's CUDA EP runs a graph id regularly (min_num_runs_before_cuda_graph_capture_: 1 or 2 by version) before
 it captures; the capture run also replays. 4 runs = regular, regular-or-capture, capture-or-replay, replay."""
-
-
-def _buckets(requested: Sequence[int], inputs: Sequence[TensorSpec]) -> tuple[int, ...]:
-    """A model exported with a fixed batch size has exactly that one bucket."""
-    fixed = {spec.shape[0] for spec in inputs if spec.shape[0] is not None}
-    if len(fixed) > 1:
-        raise InvalidModelError(f"model inputs disagree on the batch size: {sorted(fixed)}")
-    if fixed:
-        return (fixed.pop(),)
-    return tuple(sorted(set(requested)))
-
-
-def _precision(model: onnx.ModelProto) -> str:
-    return "fp16" if any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer) else "fp32"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Variant:
-    """How this engine was built (reported by ``describe``)."""
-
-    name: str
-    prefer_nhwc: bool | None
-    fuse_conv_bias: bool | None
-    cuda_graph: bool
-    graph_fallback: str | None
-    nodes: int
-    ops: tuple[str, ...]
-    precision: str
-    ep_nodes: dict[str, int] | None = None
-    """Nodes per execution provider after ORT's partitioning (OpenVINO sessions: what OpenVINO took)."""
 
 
 class OrtEngine:
@@ -98,7 +70,7 @@ class OrtEngine:
         choice: DeviceChoice,
         options: EngineOptions,
         buckets: tuple[int, ...],
-        variant: _Variant,
+        variant: Variant,
         io_binding: bool | None = None,
     ) -> None:
         self._session = session
@@ -120,10 +92,13 @@ class OrtEngine:
         self._replay_feeds: dict[int, dict[str, np.ndarray]] = {}
         self._lock: CaptureLock | NoLock = CUDA_LOCK if choice.is_cuda else NoLock()
         self._ready_threads: set[int] = set()  # threads whose ORT per-thread context holds our graphs
+        self.home_thread: int | None = None  # the thread that warmed every bucket (and so serves them)
         self._guard = threading.Lock()
         self._closed = False
         self._last_s: float | None = None
         self.load_s = 0.0
+        self.session_s = 0.0  # building the session(s): a refused graph session and its fallback together
+        self.warm_s: dict[int, float] = {}  # each bucket's warm-up (numpy path: the first bucket's one run)
         cudart = cuda_runtime() if self._io_binding and choice.is_cuda else None
         self._copier = None if cudart is None else RowCopier(cudart, choice.device_id, self._lock, variant.name)
 
@@ -146,19 +121,24 @@ class OrtEngine:
         ``openvino`` (on the CPU): run the graph on the OpenVINO EP in that precision ("fp32", "bf16").
         ``_io_binding_on_cpu`` is for tests: it runs the CUDA path's binding code on the CPU.
         """
-        return load_engine(model, options, prefer_nhwc=prefer_nhwc, fuse_conv_bias=fuse_conv_bias, variant=variant,
-                           openvino=openvino, io_binding_on_cpu=_io_binding_on_cpu)
+        return load_engine(model, options, warmed=_warmed, prefer_nhwc=prefer_nhwc, fuse_conv_bias=fuse_conv_bias,
+                           variant=variant, openvino=openvino, io_binding_on_cpu=_io_binding_on_cpu)
 
     def _warm(self) -> None:
-        """Bind and run every bucket (CUDA: capture its graph and check a replay against a plain run)."""
+        """Bind and run every bucket (CUDA: capture its graph and check a replay against a plain run), on the
+        calling thread, which becomes the engine's home thread."""
         rng = np.random.default_rng(0)
+        self.home_thread = threading.get_ident()
         if not self._io_binding:  # numpy path: nothing is per-shape; one run faults the weights in
+            started = time.perf_counter()
             try:
                 self._session.run(self._output_names, random_feeds(self.signature.inputs, self.buckets[0], rng))
             except Exception as exc:
                 raise EngineError(f"warm-up failed on {self.provider}: {first_line(exc)}") from exc
+            self.warm_s[self.buckets[0]] = time.perf_counter() - started
             return
         for index, size in enumerate(self.buckets):
+            started = time.perf_counter()
             self._lock.acquire_shared()
             try:
                 self._bound[size] = self._bind(size, index + 1 if self._built.cuda_graph else None)
@@ -167,7 +147,8 @@ class OrtEngine:
             plain, replay = self._warm_bucket(self._bound[size], random_feeds(self.signature.inputs, size, rng))
             if self._built.cuda_graph:
                 check_replay(plain, replay, size)
-        self._ready_threads.add(threading.get_ident())
+            self.warm_s[size] = time.perf_counter() - started
+        self._ready_threads.add(self.home_thread)
 
     def _warm_bucket(
         self, bucket: Bucket, feeds: Mapping[str, np.ndarray]
@@ -185,12 +166,15 @@ class OrtEngine:
             self._lock.release_exclusive()
         return first, last
 
-    def prepare_thread(self) -> None:
-        """Capture this engine's graphs for the calling thread (ORT keeps CUDA graphs per thread); a
-        no-op without CUDA graphs or for a thread already prepared."""
+    def _ready_this_thread(self) -> None:
+        """ORT keeps CUDA graphs per thread: a thread other than the home thread captures its own first. That
+        is a second warm-up of every bucket, so it is logged; the server calls an engine from its home only."""
         ident = threading.get_ident()
         if not self._built.cuda_graph or ident in self._ready_threads:
             return
+        logger.warning("engine %s: called from thread %s (%d), not the thread that warmed it: capturing its "
+                       "CUDA graphs for this thread too (a second warm-up of every bucket)", self.variant,
+                       threading.current_thread().name, ident)
         rng = np.random.default_rng(0)
         for size, bucket in self._bound.items():
             self._warm_bucket(bucket, random_feeds(self.signature.inputs, size, rng))
@@ -275,12 +259,11 @@ class OrtEngine:
 
     @contextlib.contextmanager
     def _one_caller(self) -> Iterator[None]:
-        """The engine is used by one thread at a time; a CUDA-graph engine prepares each new thread."""
+        """The engine is used by one thread at a time (its home thread: see ``_ready_this_thread``)."""
         if not self._guard.acquire(blocking=False):
             raise EngineError("engine is busy: one thread at a time may call run_parts()")
         try:
-            if self._built.cuda_graph and threading.get_ident() not in self._ready_threads:
-                self.prepare_thread()
+            self._ready_this_thread()
             yield
         finally:
             self._guard.release()
@@ -342,8 +325,7 @@ class OrtEngine:
         On CUDA with IO binding this is the bare graph replay; elsewhere it runs cached random inputs. Like
         run_parts, one thread at a time."""
         size = self.bucket_for(batch)
-        if self._built.cuda_graph and threading.get_ident() not in self._ready_threads:
-            self.prepare_thread()
+        self._ready_this_thread()
         self._lock.acquire_shared()
         try:
             if self._io_binding:
@@ -367,30 +349,7 @@ class OrtEngine:
 
     def describe(self) -> dict[str, Any]:
         """What runs this model and how (for /v2 metadata, logs and the tuner's record)."""
-        cuda, built = self._choice.is_cuda, self._built
-        return {
-            "provider": self.provider,
-            "device": self._choice.reason,
-            "device_id": self._choice.device_id if cuda else None,
-            "variant": self.variant,
-            "precision": built.precision,
-            "buckets": list(self.buckets),
-            "max_batch_size": self.max_batch_size,
-            "io_binding": self._io_binding,
-            "host_to_device": self.host_to_device,
-            "cuda_graph": built.cuda_graph,
-            "cuda_graph_fallback": built.graph_fallback,
-            "prefer_nhwc": built.prefer_nhwc,
-            "cudnn_conv_algo_search": self._options.cudnn_conv_algo_search if cuda else None,
-            "fuse_conv_bias": built.fuse_conv_bias if cuda else None,
-            "graph_optimization_level": "ORT_ENABLE_ALL",
-            "intra_op_threads": CUDA_INTRA_OP_THREADS if cuda else self._options.cpu_threads or None,
-            "nodes": built.nodes,
-            "ep_nodes": built.ep_nodes,
-            "ops": list(built.ops),
-            **self.signature.to_dict(),
-            "load_s": round(self.load_s, 3),
-        }
+        return _description(self, self._choice, self._built, self._options)
 
     def close(self) -> None:
         """Release the session, its graphs and device buffers. Idempotent; waits for a call in flight."""
@@ -413,68 +372,8 @@ class OrtEngine:
         self.close()
 
 
-# ------------------------------------------------------------------------------------------ loading
-def load_engine(
-    model: onnx.ModelProto | bytes,
-    options: EngineOptions,
-    *,
-    prefer_nhwc: bool | None,
-    fuse_conv_bias: bool,
-    variant: str,
-    io_binding_on_cpu: bool,
-    openvino: str | None = None,
-) -> OrtEngine:
-    """``OrtEngine.load``: the device, the session (with CUDA graphs when they work), every bucket warmed."""
-    started = time.perf_counter()
-    proto, data = _proto_and_bytes(model)
-    buckets = _buckets(options.buckets, Signature.from_onnx(proto).inputs)
-    choice = resolve_device(options)
-    ops = tuple(sorted({node.op_type for node in proto.graph.node}))
-    if choice.is_cuda:
-        nhwc = "FusedConv" not in ops if prefer_nhwc is None else prefer_nhwc
-        engine = _load_cuda(proto, data, options, choice, buckets, variant, CudaTuning(nhwc, fuse_conv_bias))
-    else:
-        session = openvino_session(data, options, openvino) if openvino else cpu_session(data, options)
-        choice, nodes = (openvino_choice(choice), ep_nodes(session)) if openvino else (choice, None)
-        built = _Variant(variant, None, None, False, None, len(proto.graph.node), ops, openvino or _precision(proto),
-                         nodes)
-        engine = _warmed(session, proto, choice=choice, options=options, buckets=buckets, variant=built,
-                         io_binding=io_binding_on_cpu)
-    engine.load_s = time.perf_counter() - started
-    logger.info("%s", _summary(engine.describe()))
-    return engine
-
-def _load_cuda(
-    proto: onnx.ModelProto, data: bytes, options: EngineOptions, choice: DeviceChoice,
-    buckets: tuple[int, ...], variant: str, tuning: CudaTuning,
-) -> OrtEngine:
-    """CUDA session with graphs when possible; any capture problem falls back to no graphs, logged."""
-    ops = tuple(sorted({node.op_type for node in proto.graph.node}))
-
-    def built(graph: bool, fallback: str | None = None) -> _Variant:
-        return _Variant(variant, tuning.prefer_nhwc, tuning.fuse_conv_bias, graph, fallback,
-                        len(proto.graph.node), ops, _precision(proto))
-
-    common = dict(choice=choice, options=options, buckets=buckets)
-    fallback = None
-    if options.cuda_graph and preallocatable(Signature.from_onnx(proto)):
-        try:
-            session = cuda_session(data, options, tuning, graph=True)
-            return _warmed(session, proto, variant=built(True), **common)
-        except GraphUnusable as exc:
-            fallback = str(exc)
-        except Exception as exc:  # ORT refuses graphs when a node is not on the CUDA EP
-            fallback = f"CUDA graph capture failed: {first_line(exc)}"
-        logger.warning("variant %s: CUDA graphs off for this model (%s)", variant, fallback)
-    try:
-        session = cuda_session(data, options, tuning, graph=False)
-        return _warmed(session, proto, variant=built(False, fallback), **common)
-    except EngineError:
-        raise
-    except Exception as exc:
-        raise EngineError(f"could not load the model on {CUDA}: {first_line(exc)}") from exc
-
 def _warmed(session: ort.InferenceSession, model: onnx.ModelProto, **kwargs: Any) -> OrtEngine:
+    """The engine around ``session``, every bucket warmed on the calling thread (closed if that fails)."""
     engine = OrtEngine(session, model, **kwargs)
     try:
         engine._warm()
@@ -484,27 +383,31 @@ def _warmed(session: ort.InferenceSession, model: onnx.ModelProto, **kwargs: Any
     return engine
 
 
-def _summary(info: dict[str, Any]) -> str:
-    """One log line from ``describe()``."""
-    head = f"engine {info['variant']}: {info['provider']} ({info['device']})"
-    if info["device_id"] is None:
-        return f"{head}; max batch {info['max_batch_size']}, {info['load_s']:.2f}s to load"
-    graphs = "CUDA graph per bucket" if info["cuda_graph"] else "no CUDA graphs"
-    return (f"{head}; buckets {info['buckets']}, {graphs}, host-to-device {info['host_to_device']}, prefer_nhwc "
-            f"{info['prefer_nhwc']}, fuse_conv_bias {info['fuse_conv_bias']}, {info['precision']}, "
-            f"{info['load_s']:.2f}s to load and warm")
-
-
-# ------------------------------------------------------------------------------------------ helpers
-def _proto_and_bytes(model: onnx.ModelProto | bytes) -> tuple[onnx.ModelProto, bytes]:
-    if isinstance(model, onnx.ModelProto):
-        return model, model.SerializeToString()
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        data = bytes(model)
-        proto = onnx.ModelProto()
-        try:
-            proto.ParseFromString(data)
-        except Exception as exc:
-            raise InvalidModelError("not an ONNX model") from exc
-        return proto, data
-    raise TypeError(f"model must be an onnx.ModelProto or bytes, not {type(model).__name__}")
+def _description(engine: OrtEngine, choice: DeviceChoice, built: Variant, options: EngineOptions) -> dict[str, Any]:
+    """``OrtEngine.describe``: its device, how it was built, its signature, and how long its load took."""
+    cuda = choice.is_cuda
+    return {
+        "provider": engine.provider,
+        "device": choice.reason,
+        "device_id": choice.device_id if cuda else None,
+        "variant": engine.variant,
+        "precision": built.precision,
+        "buckets": list(engine.buckets),
+        "max_batch_size": engine.max_batch_size,
+        "io_binding": engine.host_to_device != "feeds",
+        "host_to_device": engine.host_to_device,
+        "cuda_graph": built.cuda_graph,
+        "cuda_graph_fallback": built.graph_fallback,
+        "prefer_nhwc": built.prefer_nhwc,
+        "cudnn_conv_algo_search": options.conv_search if cuda else None,
+        "fuse_conv_bias": built.fuse_conv_bias if cuda else None,
+        "graph_optimization_level": "ORT_ENABLE_ALL",
+        "intra_op_threads": CUDA_INTRA_OP_THREADS if cuda else options.cpu_threads or None,
+        "nodes": built.nodes,
+        "ep_nodes": built.ep_nodes,
+        "ops": list(built.ops),
+        **engine.signature.to_dict(),
+        "load_s": round(engine.load_s, 3),
+        "session_s": round(engine.session_s, 3),
+        "warm_s": {size: round(seconds, 3) for size, seconds in engine.warm_s.items()},
+    }

@@ -7,8 +7,9 @@ graph, with conv-bias fusion (1.93 ms against 3.19 for the fp32 graph; fp16 CUDA
 Runtime 1.31.1). The load-time tuner (``runtime.tuner``) times both kinds and, when another configuration
 wins the large buckets, serves those buckets from it and everything else from the primary.
 
-Invariants: the same signature on both engines; one thread at a time; a batch goes to the engine that owns
-the bucket it pads up to, and a batch above the largest bucket is chunked by that engine.
+Invariants: the same signature on both engines; one thread at a time, the one that loaded both (ORT keeps
+CUDA graphs per thread); a batch goes to the engine that owns the bucket it pads up to, and a batch above the
+largest bucket is chunked by that engine.
 """
 
 from __future__ import annotations
@@ -74,10 +75,6 @@ class SplitEngine:
     @property
     def host_to_device(self) -> str:
         return self.primary.host_to_device
-
-    def prepare_thread(self) -> None:
-        self.primary.prepare_thread()
-        self.large.prepare_thread()
 
     def describe(self) -> dict[str, Any]:
         info = self.primary.describe()

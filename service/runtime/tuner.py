@@ -30,14 +30,18 @@ import onnxruntime as ort
 from service.errors import ServiceError, first_line
 from service.runtime.child import run_in_child
 from service.runtime.contract import EngineOptions
+from service.runtime.conv_search import ranking_options, served_options
 from service.runtime.cpu_tuner import select_cpu
+from service.runtime.cuda_configs import Config, has_fused_conv, load_config
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
 from service.runtime.openvino import status as openvino_status
-from service.runtime.precision import check_fp16, to_fp16
+from service.runtime.precision import check_fp16
 from service.runtime.split_engine import SplitEngine
 from service.runtime.timing import score as _score
 from service.runtime.timing import time_batch, time_calls
+from service.runtime.tuner_faults import fault_entry, graph_ids, is_gpu_fault
+from service.runtime.tuner_faults import known_faults as known_faults_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,40 +55,13 @@ SPLIT_MIN_BUCKET = 8  # smaller buckets always stay on the primary configuration
 SPLIT_MIN_GAIN = 0.05  # a bucket moves to the large-batch engine only when that is this much faster
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One candidate: graph variant, CUDA prefer_nhwc, precision, CUDA fuse_conv_bias (None on CPU).
-
-    A record written before fuse_conv_bias was tuned has no such field: it reads as None, matches no CUDA
-    configuration, and the model is timed again once."""
-
-    variant: str
-    prefer_nhwc: bool | None
-    precision: str
-    fuse_conv_bias: bool | None = None
-    cuda_graph: bool = True
-
-    @property
-    def key(self) -> str:
-        layout = "cpu" if self.prefer_nhwc is None else ("nhwc" if self.prefer_nhwc else "nchw")
-        key = f"{self.variant}/{layout}/{self.precision}" + ("/conv-bias-fused" if self.fuse_conv_bias else "")
-        return key if self.cuda_graph or self.prefer_nhwc is None else key + "/no-graph"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _has_fused_conv(model: onnx.ModelProto) -> bool:
-    return any(node.op_type == "FusedConv" for node in model.graph.node)
-
-
 def _configs(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
 ) -> list[Config]:
     """Every combination to time, the likeliest winners first (they survive a short budget)."""
     layouts = [True, False]
-    names = sorted(candidates, key=lambda n: (_has_fused_conv(candidates[n]), n))
-    fp16_names = [n for n in names if not _has_fused_conv(candidates[n])] or names
+    names = sorted(candidates, key=lambda n: (has_fused_conv(candidates[n]), n))
+    fp16_names = [n for n in names if not has_fused_conv(candidates[n])] or names
     configs = []
     for prec in PRECISIONS[precision]:
         for name in fp16_names if prec == "fp16" else names:
@@ -114,7 +91,7 @@ def _large_batch_configs(
     large = [
         dataclasses.replace(c, cuda_graph=False)
         for c in configs
-        if c.prefer_nhwc == first_layout and not _has_fused_conv(candidates[c.variant])
+        if c.prefer_nhwc == first_layout and not has_fused_conv(candidates[c.variant])
     ]
     # likeliest winners first: fp16 before fp32, conv-bias fusion before none (H200, batch 64)
     return sorted(large, key=lambda c: (c.precision != "fp16", not c.fuse_conv_bias))
@@ -128,7 +105,7 @@ def _splits(settings: EngineOptions) -> bool:
 def _bias_options(model: onnx.ModelProto) -> list[bool]:
     """fuse_conv_bias values to time: off first (the long-measured default), on only where a plain Conv
     carries a bias of its own (FusedConv adds its bias inside cuDNN's fused call already)."""
-    return [False] if _has_fused_conv(model) else [False, True]
+    return [False] if has_fused_conv(model) else [False, True]
 
 
 @dataclasses.dataclass
@@ -138,6 +115,8 @@ class _Results:
     timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     fp16_checks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    faults: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Configurations whose child died with a CUDA fault in this run, and the error."""
 
     def best(self, configs: list[Config]) -> Config | None:
         """The fastest timed configuration (first of equals, i.e. the likeliest winner)."""
@@ -150,17 +129,22 @@ class _Results:
 
 
 def _time_configs(
-    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float,
+    known: Mapping[str, str] | None = None,
 ) -> _Results:
-    """Time each configuration in a fresh child process, within the budget (the first always runs)."""
+    """Time each configuration in a fresh child process, within the budget (the first always runs), with the
+    ranking search (``conv_search.ranking_options``); ``known``: configurations known to fault here, skipped."""
     deadline = time.monotonic() + budget_s
-    tune_settings = settings.replace(buckets=_tuning_buckets(settings)).to_dict()
+    tune_settings = ranking_options(settings).replace(buckets=_tuning_buckets(settings)).to_dict()
     payload = {name: model.SerializeToString() for name, model in candidates.items()}
     results, per_config_s = _Results(), 0.0
     graph_faults: dict[str, str] = {}  # precision -> the graph configuration that faulted the GPU
-    for index, config in enumerate(configs):
+    for config in configs:
         left = deadline - time.monotonic()
-        if index and left < per_config_s:
+        if config.key in (known or {}):
+            results.skipped[config.key] = f"known to fault on this GPU and ORT version: {known[config.key]}"
+            continue
+        if per_config_s and left < per_config_s:  # the first configuration that runs always runs
             results.skipped[config.key] = "time budget spent"
             continue
         if config.cuda_graph and config.precision in graph_faults:
@@ -174,8 +158,10 @@ def _time_configs(
         except Exception as exc:  # a crash or overrun costs this configuration only
             results.skipped[config.key] = _short_error(exc)
             logger.warning("autotune: %s failed: %s", config.key, results.skipped[config.key])
-            if config.cuda_graph and _gpu_fault(results.skipped[config.key]):
-                graph_faults[config.precision] = config.key
+            if is_gpu_fault(results.skipped[config.key]):
+                results.faults[config.key] = results.skipped[config.key]
+                if config.cuda_graph:
+                    graph_faults[config.precision] = config.key
         else:
             if "fp16_check" in outcome:
                 results.fp16_checks[config.variant] = outcome["fp16_check"]
@@ -185,16 +171,6 @@ def _time_configs(
                 results.skipped[config.key] = outcome["skipped"]
         per_config_s = max(per_config_s, time.monotonic() - started)
     return results
-
-
-def _gpu_fault(error: str) -> bool:
-    """A CUDA fault (not a timeout or a load error). Why it matters: on ORT 1.31.1 on an H200 every fp16
-    CUDA-graph configuration of MobileNetV3 faulted at replay ("CUDA failure 700: an illegal memory access",
-    "715: an illegal instruction", in cuda_graph.cc), each after 15-30 s of loading, and the two that ran
-    used up a 60 s budget before the graphless fp16 ones (1.93 against 3.19 ms at batch 64) were reached
-    (bench/results/engine-2026-11-30-h200-split.log). So after one such fault the other graph
-    configurations of that precision are not timed."""
-    return "CUDA failure" in error or "cuda_graph" in error
 
 
 def _tuning_buckets(settings: EngineOptions) -> tuple[int, ...]:
@@ -209,7 +185,7 @@ def _time_config_child(
     settings = EngineOptions.from_dict(settings_data)
     source = onnx.load_from_string(model_data)
     outcome: dict[str, Any] = {}
-    with _load_model(source, config, settings) as engine:
+    with load_config(source, config, settings) as engine:
         if config.precision == "fp16":
             cpu = settings.replace(device="cpu", buckets=(2,))
             with OrtEngine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
@@ -262,28 +238,20 @@ def _first_cached(
 
 
 def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: EngineOptions) -> OrtEngine:
-    return _load_model(candidates[config.variant], config, settings)
-
-
-def _load_model(model: onnx.ModelProto, config: Config, settings: EngineOptions) -> OrtEngine:
-    """``model`` (fp32) as ``config`` says: its precision, layout, conv-bias fusion and CUDA graphs."""
-    if config.precision == "fp16":
-        model = to_fp16(model)
-    if not config.cuda_graph:
-        settings = settings.replace(cuda_graph=False)
-    return OrtEngine.load(model, settings, prefer_nhwc=config.prefer_nhwc, fuse_conv_bias=bool(config.fuse_conv_bias),
-                          variant=config.key)
+    return load_config(candidates[config.variant], config, settings)
 
 
 ALL_VARIANTS = frozenset({"fused", "plain"})
 
 
 def choosable_variants(options: EngineOptions) -> frozenset[str]:
-    """The optimized variants a tuner on this machine may serve: "fused" everywhere (ORT's CPU provider
-    prefers it; CUDA runs it), "plain" only where a GPU may serve (the CUDA tuner times it, with NHWC) or the
-    OpenVINO EP does (it runs no com.microsoft op). Cheap: the GPU driver's device name, no CUDA session."""
-    gpu = options.device != "cpu" and gpu_name(options.device_id) is not None
-    return ALL_VARIANTS if gpu or openvino_status().usable else frozenset({"fused"})
+    """The optimized variants a tuner on this machine may serve: on a GPU "plain" (FusedConv's CUDA kernel
+    has no NHWC form and lost to plain NHWC on the H200: docs/benchmarks.md), on the CPU "fused" (ORT's CPU
+    provider's own fusion), plus "plain" where the OpenVINO EP may serve (it runs no com.microsoft op).
+    Cheap: the GPU driver's device name, no CUDA session."""
+    if options.device != "cpu" and gpu_name(options.device_id) is not None:
+        return frozenset({"plain"})
+    return ALL_VARIANTS if openvino_status().usable else frozenset({"fused"})
 
 
 def select_variant(
@@ -294,11 +262,14 @@ def select_variant(
     budget_s: float | None = None,
     cached_choice: dict | None = None,
     cached_records: Sequence[dict] = (),
+    known_faults: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[OrtEngine | SplitEngine, dict]:
     """Return the fastest engine among the candidates (others closed) and the JSON-able record.
 
     ``settings.tune_budget_s`` 0 (and no ``budget_s``): the first configuration is served untimed. The first of
-    ``cached_choice`` and ``cached_records`` made on this GPU and ORT version is reused without timing."""
+    ``cached_choice`` and ``cached_records`` made on this GPU and ORT version is reused without timing.
+    ``known_faults``: the store's record of configurations that faulted (``runtime.tuner_faults``); those of
+    this GPU, ORT version and graphs are not timed. The cuDNN search is resolved by ``runtime.conv_search``."""
     if not candidates:
         raise ValueError("select_variant needs at least one candidate model")
     if precision not in PRECISIONS:
@@ -311,15 +282,16 @@ def select_variant(
     configs = _configs(candidates, settings, precision)
     reusable, cached = _first_cached([cached_choice, *cached_records], device, configs)
     if cached is not None:
-        engine = _load(candidates, cached, settings)
         record = dict(reusable or {})
         record["reused"] = True
-        return _with_cached_split(engine, candidates, settings, configs, record), record
+        served = served_options(record, cached, candidates[cached.variant], settings, budget)
+        engine = _load(candidates, cached, served)
+        return _with_cached_split(engine, candidates, served, configs, record), record
     if budget <= 0:
         # Still loaded and replayed in a child first: a configuration that crashes the CUDA context
         # (fp16 MobileNetV3 on ORT 1.31.1) must not take the serving process down with it.
         configs = configs[:1]
-    return _tune(candidates, settings, configs, device, budget)
+    return _tune(candidates, settings, configs, device, budget, known_faults)
 
 
 def _tune(
@@ -328,8 +300,10 @@ def _tune(
     configs: list[Config],
     device: str,
     budget_s: float,
+    known_faults: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[OrtEngine | SplitEngine, dict[str, Any]]:
-    """Time every configuration in its own child process, then load only the winner in this one.
+    """Time every configuration in its own child process, then load only the winner in this one (with the
+    cuDNN search ``conv_search`` resolves: measured in one more child under "auto").
 
     Why children: on an H200 with ORT 1.31.1, creating and destroying several CUDA-graph sessions in one
     process was followed by "illegal memory access" / "illegal instruction" at the next graph replay
@@ -339,10 +313,16 @@ def _tune(
     If nothing could be timed, the first configuration is served in fp32.
     """
     started = time.monotonic()
-    results = _time_configs(candidates, settings, configs, budget_s)
+    graphs = graph_ids({name: model.SerializeToString() for name, model in candidates.items()})
+    known = known_faults_of(known_faults, device, graphs)
+    logger.info("autotune on %s (ORT %s): budget %.0fs for %d configuration(s), search %s%s", device,
+                ort.__version__, budget_s, len(configs), ranking_options(settings).cudnn_conv_algo_search,
+                f"; not timed, known to fault here: {sorted(known)}" if known else "")
+    results = _time_configs(candidates, settings, configs, budget_s, known)
     config = results.best([c for c in configs if c.cuda_graph]) or results.best(configs)
     extra = {"timings_ms": results.timings, "skipped": results.skipped, "fp16_checks": results.fp16_checks,
-             "tuned_buckets": list(_tuning_buckets(settings)), "budget_s": budget_s}
+             "tuned_buckets": list(_tuning_buckets(settings)), "budget_s": budget_s,
+             "tune_s": round(time.monotonic() - started, 2)}
     if config is not None:
         record = _record(config, device=device, reason=f"fastest of {len(results.timings)} timed "
                          "configuration(s), each in its own process", **extra)
@@ -352,13 +332,19 @@ def _tune(
         record = _record(config, device=device, reason=f"no configuration could be timed; {config.key} served",
                          **extra)
         logger.warning("autotune: %s (%s)", record["reason"], results.skipped)
-    engine: OrtEngine | SplitEngine = _load(candidates, config, settings)
+    by_key = {c.key: c for c in configs}
+    if results.faults:
+        record["faults"] = [fault_entry(by_key[key], device, graphs[by_key[key].variant], error)
+                            for key, error in results.faults.items()]
+    served = served_options(record, config, candidates[config.variant], settings, budget_s)
+    engine: OrtEngine | SplitEngine = _load(candidates, config, served)
     large = _large_batch_candidate(results, configs, config, settings)
     if large is not None:
-        engine, record["split"] = _split(engine, candidates, large, settings)
+        engine, record["split"] = _split(engine, candidates, large, served)
     record["elapsed_s"] = round(time.monotonic() - started, 2)
-    logger.info("autotune: chose %s (%s) in %.1fs; timings %s", config.key, record["reason"],
-                record["elapsed_s"], record.get("timings_ms"))
+    logger.info("autotune: chose %s (%s) in %.1fs, budget %.0fs (timing %.1fs); timings %s; skipped %s",
+                config.key, record["reason"], record["elapsed_s"], budget_s, record["tune_s"],
+                record.get("timings_ms"), results.skipped or "none")
     return engine, record
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from service.grpc.server import PORT_HINT as GRPC_PORT_HINT
 from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import buffer_folder
@@ -95,7 +96,8 @@ def serve_workers(settings: ServiceSettings, devices: Sequence[Device]) -> int:
         try:
             grpc_sock = reserve_port(settings.host, settings.grpc_port)
         except OSError as exc:
-            log.error("cannot listen for gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            log.error("cannot listen for gRPC on %s:%d: %s; %s", settings.host, settings.grpc_port,
+                      exc.strerror or exc, GRPC_PORT_HINT)
             sock.close()
             return 1
         settings = settings.model_copy(update={"grpc_port": int(grpc_sock.getsockname()[1])})

@@ -8,9 +8,11 @@ request alone."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from builders import detector_like, reference, reshape_rows
@@ -48,12 +50,23 @@ def infer_grpc(target: str, name: str, x: np.ndarray) -> dict[str, np.ndarray]:
         return {out.name: result.as_numpy(out.name) for out in result.get_response().outputs}
 
 
+def served_everywhere(url: str, name: str, timeout_s: float = 30.0) -> None:
+    """Ready on 20 fresh connections in a row: each worker (a new connection may reach any) follows the store."""
+    deadline, streak = time.monotonic() + timeout_s, 0
+    while streak < 20:
+        assert time.monotonic() < deadline, f"model {name} not served by every worker after {timeout_s:.0f} s"
+        streak = streak + 1 if httpx.get(f"{url}/v2/models/{name}/ready", timeout=5).status_code == 200 else 0
+        time.sleep(0 if streak else 0.1)
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_every_row_reaches_the_client(tmp_path: Path, workers: str) -> None:
-    with running(tmp_path / "models", tmp_path / "logs", env={"SERVICE_WORKERS": workers}) as server:
+    env = {"SERVICE_WORKERS": workers, "SERVICE_STORE_SYNC_S": "0.2"}
+    with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
         for name, data in MODELS.items():
             response = upload(server.url, name, data, config='{"max_delay_ms": 200}')
             assert response.status_code == 201, response.text
+            served_everywhere(server.url, name)
         jobs = [(name, seed, protocol) for name in MODELS for seed in range(4) for protocol in ("http", "grpc")]
 
         def answer(job: tuple[str, int, str]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

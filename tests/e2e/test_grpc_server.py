@@ -154,7 +154,7 @@ def test_a_grpc_port_that_is_already_served_fails_the_start(tmp_path: Path, work
         other.listen()
         done = _serve_on(tmp_path, str(other.getsockname()[1]), workers)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "cannot listen for gRPC" in done.stderr
+    assert "cannot listen for gRPC" in done.stderr and "SERVICE_GRPC_PORT" in done.stderr, done.stderr
     assert "listening on grpc://" not in done.stdout
 
 

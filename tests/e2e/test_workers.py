@@ -132,6 +132,11 @@ def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
 
         status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
         assert status == 201, body
+        # an upload on a loaded machine may outlast b's keep-alive (5 s): a fresh connection per worker
+        for conn in conns.values():
+            conn.close()
+        conns = one_connection_per_worker(server.port, pids)
+        (_, a), (_, b) = sorted(conns.items())
         wait_status(b, "/v2/models/tiny/ready", 200)
         for conn in (a, b):
             described = json.loads(call(conn, "GET", "/v1/models/tiny")[1])["versions"][0]

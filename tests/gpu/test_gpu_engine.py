@@ -360,30 +360,60 @@ def test_select_variant_times_and_reuses_its_choice() -> None:
         again.close()
 
 
-def test_batcher_runs_a_lone_request_on_the_event_loop_thread(tiny: onnx.ModelProto) -> None:
-    """The inline path (Batcher.submit(alone=True)) replays CUDA graphs from the event loop's thread, the
-    thread path from the engine thread: both give the CPU provider's answer."""
+def test_an_engine_loaded_on_its_thread_serves_there_captured_once(tiny: onnx.ModelProto, caplog) -> None:
+    """The registry's way: the engine is loaded (every bucket's graph captured) on its EngineThreads thread and
+    the batcher calls it there, through the queue and directly (a lone request): no thread captures a second
+    time, the event loop never calls it, and both answers are the CPU provider's."""
     import asyncio
+    import functools
 
     from service.runtime.batcher import Batcher, BatchPolicy
+    from service.runtime.engine_thread import EngineThreads
 
-    policy = BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=64, timeout_s=30.0, inline_max_s=0.05)
-    with OrtEngine.load(tiny, SETTINGS, variant="inline") as engine:
+    policy = BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=64, timeout_s=30.0, direct_max_s=0.05)
+    threads = EngineThreads("gpu-home")
+    engine = threads.submit(functools.partial(OrtEngine.load, tiny, SETTINGS, variant="home")).result()
+    try:
         x = feeds_for(engine, 1, 11)
         request = engine.signature.request(x)
 
         async def main() -> tuple[Any, Any, float | None]:
-            batcher = Batcher(engine, policy, name="inline")
+            batcher = Batcher(engine, policy, name="home", threads=threads)
             batcher.start()
-            threaded = await batcher.submit(request)  # engine thread; measures the engine time
-            inline = await batcher.submit(request, alone=True)
+            queued = await batcher.submit(request)  # measures the engine time
+            direct = await batcher.submit(request, alone=True)
             await batcher.stop()
-            return threaded, inline, batcher._lone_run_s.get(1)
+            return queued, direct, batcher._lone_run_s.get(1)
 
-        threaded, inline, lone_s = asyncio.run(main())
+        with caplog.at_level("WARNING", logger="service.runtime.engine"):
+            queued, direct, lone_s = asyncio.run(main())
         assert lone_s is not None and lone_s < 0.05
-        assert inline.queue_s == 0.0  # it ran right there, on the event loop
-        assert threading.get_ident() in engine._ready_threads  # the loop's thread captured its own graphs
+        assert direct.queue_s == 0.0  # handed straight to the engine thread
+        assert engine._ready_threads == {engine.home_thread} and engine.home_thread in threads.idents
+        assert threading.get_ident() not in engine._ready_threads
+        assert not [r for r in caplog.records if "not the thread that warmed it" in r.getMessage()]
         expected = cpu_outputs(tiny, x)["y"]
-        assert rel_l2(threaded.outputs["y"], expected) < REL_L2_FP32
-        assert rel_l2(inline.outputs["y"], expected) < REL_L2_FP32
+        assert rel_l2(queued.outputs["y"], expected) < REL_L2_FP32
+        assert rel_l2(direct.outputs["y"], expected) < REL_L2_FP32
+    finally:
+        engine.close()
+
+
+def test_the_cudnn_search_comparison_times_both_searches_on_the_gpu(tiny: onnx.ModelProto) -> None:
+    """conv_search.measure in its child process on the GPU: both searches timed at every bucket, their warm-ups
+    reported, a verdict by the noise rule; the served session is built with the verdict."""
+    from service.runtime import conv_search
+    from service.runtime.cuda_configs import Config, load_config
+
+    config = Config("plain", True, "fp32", False)
+    options = EngineOptions(device="cuda", buckets=(1, 8), cudnn_conv_algo_search="auto")
+    entry = conv_search.measure(config, tiny, options)
+    assert entry["measured"] is True and entry["choice"] in ("HEURISTIC", "EXHAUSTIVE"), entry
+    assert set(entry["timings_ms"]) == {"HEURISTIC", "EXHAUSTIVE"}
+    assert all(set(t) == {"1", "8"} and min(t.values()) > 0 for t in entry["timings_ms"].values())
+    assert all(set(w) == {"1", "8"} for w in entry["warm_s"].values())
+    assert conv_search.verdict(entry["timings_ms"])[0] == entry["choice"]
+    served = conv_search.served_options({"cudnn_conv_algo_search": entry}, config, tiny, options, 30.0)
+    with load_config(tiny, config, served) as engine:
+        assert engine.describe()["cudnn_conv_algo_search"] == entry["choice"]
+        assert_matches_cpu(engine, tiny, 3, 5)

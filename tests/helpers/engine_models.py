@@ -8,6 +8,7 @@ candidate graphs for the variant tuner. Pure onnx + numpy: importing it needs no
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,7 +73,7 @@ def conv_relu_net(
 class GatedEngine:
     """An ``Engine`` that doubles its input ``x`` [N, 4]; its first call waits at ``gate`` (so that later
     calls queue up behind it), and a NaN in a call fails that call with an InvalidInputError. It records
-    each call's row counts and the threads that prepared or ran it."""
+    each call's row counts and the threads that ran it."""
 
     max_batch_size = 16
     max_concurrent_calls = 1
@@ -85,9 +86,6 @@ class GatedEngine:
         self.calls: list[list[int]] = []
         self.threads: set[str] = set()
         self.closed = False
-
-    def prepare_thread(self) -> None:
-        self.threads.add(threading.current_thread().name)
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         self.calls.append([self.signature.rows_of(p) for p in parts])
@@ -110,3 +108,50 @@ class GatedEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+class ThreadBoundEngine:
+    """An ``Engine`` that behaves like a CUDA-graph engine under ONNX Runtime, where graphs live per thread:
+    building it "warms" every bucket (``warm_s`` each, a sleep) on the building thread; a call from any other
+    thread warms every bucket again for that thread first. It computes y = 2x on ``x`` [N, 4] and records every
+    warm-up (bucket, thread), every call's thread and the thread that closed it."""
+
+    max_concurrent_calls = 1
+    provider = "fake-cuda-graphs"
+
+    def __init__(self, buckets: Sequence[int] = (1, 2, 4, 8), warm_s: float = 0.0) -> None:
+        spec = TensorSpec("x", np.dtype(np.float32), (None, 4))
+        self.signature = Signature((spec,), (TensorSpec("y", np.dtype(np.float32), (None, 4)),))
+        self.buckets = tuple(buckets)
+        self.max_batch_size = self.buckets[-1]
+        self.warm_s = warm_s
+        self.warmed: list[tuple[int, int]] = []
+        self.calls: list[int] = []
+        self.closed_on: int | None = None
+        self._ready: set[int] = set()
+        self._warm()
+
+    def _warm(self) -> None:
+        for bucket in self.buckets:
+            time.sleep(self.warm_s)
+            self.warmed.append((bucket, threading.get_ident()))
+        self._ready.add(threading.get_ident())
+
+    def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if threading.get_ident() not in self._ready:
+            self._warm()
+        self.calls.append(threading.get_ident())
+        return {"y": np.concatenate([p["x"] for p in parts]) * 2}
+
+    def last_engine_seconds(self) -> float | None:
+        return 0.0001
+
+    def page_locker(self) -> PageLocker | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"variant": "thread-bound", "provider": self.provider, "buckets": list(self.buckets),
+                "session_s": 0.0, "warm_s": dict.fromkeys(self.buckets, self.warm_s)}
+
+    def close(self) -> None:
+        self.closed_on = threading.get_ident()

@@ -8,6 +8,7 @@ threading. Requests are made the way the protocol edges make them: ``Signature.r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 import time
@@ -25,7 +26,7 @@ from service.errors import (
     RequestTimeoutError,
     ShuttingDownError,
 )
-from service.runtime.batcher import INLINE_MAX_S, Batcher, BatchPolicy
+from service.runtime.batcher import DIRECT_MAX_S, DIRECT_WAIT_S, Batcher, BatchPolicy
 from service.runtime.contract import Engine, InferenceRequest, Signature, TensorSpec
 
 F32 = np.dtype(np.float32)
@@ -68,7 +69,6 @@ class FakeEngine:
         self.calls: list[np.ndarray] = []
         self.part_sizes: list[list[int]] = []
         self.threads: set[int] = set()
-        self.prepared: set[int] = set()
         self.closed = 0
         self.active = 0
         self.max_active = 0
@@ -98,9 +98,6 @@ class FakeEngine:
 
     def last_engine_seconds(self) -> float | None:
         return self.own_seconds
-
-    def prepare_thread(self) -> None:
-        self.prepared.add(threading.get_ident())
 
     def page_locker(self) -> None:
         return None
@@ -628,7 +625,7 @@ def test_a_merged_batch_reaches_the_engine_as_its_requests():
         {"queue_size": 0},
         {"max_delay_s": -0.001},
         {"timeout_s": 0},
-        {"inline_max_s": -1},
+        {"direct_max_s": -1},
     ],
 )
 def test_an_impossible_policy_is_refused(policy):
@@ -636,20 +633,21 @@ def test_an_impossible_policy_is_refused(policy):
         BatchPolicy(**{"max_batch_size": 8, "max_delay_s": 0.0, "queue_size": 8, "timeout_s": 1.0, **policy})
 
 
-# ------------------------------------------------------------------ inline runs (a lone request)
+# ------------------------------------------------------------------ direct runs (a lone request)
 
 
-def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) -> tuple[list, set[int], set[int]]:
-    """Two requests one after the other on a fresh batcher (``inline_max_s`` 50 ms unless given, no delay):
-    the first calibrates the engine time, the second may run inline. Returns the results, the thread of
-    each engine call of the second and the threads the engine was prepared on, the event loop's as -1."""
+def direct_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) -> tuple[list, set[int], set[int]]:
+    """Two requests one after the other on a fresh batcher (``direct_max_s`` 50 ms unless given, no delay):
+    the first calibrates the engine time, the second may skip the queue. Returns the results, the threads of
+    the engine calls of the second and of the first, the event loop's marked -1."""
 
     async def main():
-        options = {"max_delay_s": 0.0, "inline_max_s": 0.05, **kw}
+        options = {"max_delay_s": 0.0, "direct_max_s": 0.05, **kw}
         batcher = make(engine, **options)
         batcher.start()
         loop_thread = threading.get_ident()
         results = [await batcher.submit(rows(1.0, 1), alone=first_alone)]
+        first = set(engine.threads)
         engine.threads.clear()
         results.append(await batcher.submit(rows(2.0, 1), alone=second_alone))
         await batcher.stop()
@@ -657,67 +655,96 @@ def inline_run(engine: FakeEngine, first_alone: bool, second_alone: bool, **kw) 
         def mark(threads: set[int]) -> set[int]:
             return {-1 if t == loop_thread else t for t in threads}
 
-        return results, mark(engine.threads), mark(engine.prepared)
+        return results, mark(engine.threads), mark(first)
 
     return asyncio.run(main())
 
 
-def test_a_lone_request_runs_inline_once_the_engine_is_known_to_be_fast():
+def test_a_lone_request_skips_the_queue_once_the_engine_is_known_to_be_fast():
     engine = FakeEngine()
-    results, threads, prepared = inline_run(engine, first_alone=True, second_alone=True)
+    results, threads, first = direct_run(engine, first_alone=True, second_alone=True)
     check_own(results[1], rows(2.0, 1))
-    assert threads == {-1}  # the event loop's own thread ran the engine
-    assert prepared == {-1}  # and the engine readied that thread at start, not in a request
-    assert results[1].queue_s == 0.0 and results[1].batch_size == 1
+    assert threads == first and -1 not in threads  # the engine thread ran it, never the event loop
+    assert results[1].queue_s == 0.0 and results[1].batch_size == 1  # no queue: handed straight over
+    assert results[0].queue_s > 0.0  # the first went through the queue (the engine time was unknown)
 
 
-def test_the_default_inline_limit_is_the_constant():
-    assert BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=8, timeout_s=1.0).inline_max_s == INLINE_MAX_S
-    results, threads, _ = inline_run(FakeEngine(own_seconds=INLINE_MAX_S / 2), first_alone=True,
-                                     second_alone=True, inline_max_s=INLINE_MAX_S)
+def test_the_default_direct_limit_is_the_constant():
+    assert BatchPolicy(max_batch_size=8, max_delay_s=0.0, queue_size=8, timeout_s=1.0).direct_max_s == DIRECT_MAX_S
+    results, threads, _ = direct_run(FakeEngine(own_seconds=DIRECT_MAX_S / 2), first_alone=True,
+                                     second_alone=True, direct_max_s=DIRECT_MAX_S)
     check_own(results[1], rows(2.0, 1))
-    assert threads == {-1}
+    assert results[1].queue_s == 0.0 and -1 not in threads
 
 
-def test_a_request_among_others_takes_the_engine_thread():
-    results, threads, _ = inline_run(FakeEngine(), first_alone=True, second_alone=False)
+def test_a_request_among_others_takes_the_queue():
+    results, threads, first = direct_run(FakeEngine(), first_alone=True, second_alone=False)
     check_own(results[1], rows(2.0, 1))
-    assert -1 not in threads and len(threads) == 1
+    assert results[1].queue_s > 0.0 and threads == first and -1 not in threads
 
 
-@pytest.mark.parametrize(("own_s", "inline"), [(0.001, True), (0.02, False)])
-def test_an_engine_that_tells_its_own_time_is_judged_by_it(own_s, inline):
+@pytest.mark.parametrize(("own_s", "direct"), [(0.001, True), (0.02, False)])
+def test_an_engine_that_tells_its_own_time_is_judged_by_it(own_s, direct):
     # a remote engine: the round trip (20 ms here) exceeds the limit, the engine's own time may not
-    results, threads, _ = inline_run(FakeEngine(delay_s=0.02, own_seconds=own_s), first_alone=True,
-                                     second_alone=True, inline_max_s=0.005)
+    results, threads, _ = direct_run(FakeEngine(delay_s=0.02, own_seconds=own_s), first_alone=True,
+                                     second_alone=True, direct_max_s=0.005)
     check_own(results[1], rows(2.0, 1))
-    assert (threads == {-1}) is inline
+    assert (results[1].queue_s == 0.0) is direct and -1 not in threads
 
 
 @pytest.mark.parametrize(
     ("options", "delay_s"),
     [
-        ({"inline_max_s": 0.0}, 0.0),  # switched off
-        ({"inline_max_s": 0.005}, 0.02),  # the engine took longer than the limit
+        ({"direct_max_s": 0.0}, 0.0),  # switched off
+        ({"direct_max_s": 0.005}, 0.02),  # the engine took longer than the limit
         ({"max_delay_s": 0.002}, 0.0),  # a batching window was asked for: honour it
     ],
 )
-def test_no_inline_run_when_off_slow_or_waiting_for_a_batch(options, delay_s):
-    results, threads, prepared = inline_run(FakeEngine(delay_s=delay_s), first_alone=True, second_alone=True,
-                                            **options)
+def test_no_direct_run_when_off_slow_or_waiting_for_a_batch(options, delay_s):
+    results, threads, _ = direct_run(FakeEngine(delay_s=delay_s), first_alone=True, second_alone=True,
+                                     **options)
     check_own(results[1], rows(2.0, 1))
-    assert -1 not in threads
-    if options.get("inline_max_s") == 0.0 or "max_delay_s" in options:
-        assert -1 not in prepared  # never inline: the loop's thread is not readied for the engine
+    assert results[1].queue_s > 0.0 and -1 not in threads
 
 
-def test_no_inline_run_while_a_batch_is_on_the_engine():
+def test_a_direct_run_slower_than_the_wait_is_awaited_without_holding_the_loop():
+    """The engine was fast once, then takes 300 ms (e.g. behind another engine's capture): the loop waits
+    DIRECT_WAIT_S at most, then serves other work (a timer here) while the call finishes."""
+
+    async def main():
+        engine = FakeEngine(own_seconds=0.0001)
+        batcher = make(engine, max_delay_s=0.0, direct_max_s=0.05)
+        batcher.start()
+        await batcher.submit(rows(1.0, 1), alone=True)  # the engine is now known to be fast
+        engine.delay_s = 0.3
+        ticks: list[float] = []
+
+        async def tick():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.002)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.01)
+        result = await batcher.submit(rows(2.0, 1), alone=True)
+        ticker.cancel()
+        await batcher.stop()
+        return result, ticks
+
+    result, ticks = asyncio.run(main())
+    check_own(result, rows(2.0, 1))
+    assert result.queue_s == 0.0 and result.compute_s >= 0.3  # the direct path, though slow this time
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert max(gaps) < 0.15 and DIRECT_WAIT_S < 0.05  # the loop ticked on meanwhile
+
+
+def test_no_direct_run_while_a_batch_is_on_the_engine():
     """The engine serves one thread at a time: a lone request arriving while the engine thread runs a
-    batch queues behind it instead of calling the engine from the loop."""
+    batch queues behind it instead of being handed over next to the busy engine."""
 
     async def main():
         engine = FakeEngine()
-        batcher = make(engine, max_delay_s=0.0, inline_max_s=10.0)
+        batcher = make(engine, max_delay_s=0.0, direct_max_s=10.0)
         batcher.start()
         await batcher.submit(rows(0.0, 1), alone=True)  # the engine is now known to be fast
         engine.release.clear()
@@ -729,7 +756,7 @@ def test_no_inline_run_while_a_batch_is_on_the_engine():
             await asyncio.sleep(0.001)
         second = asyncio.ensure_future(batcher.submit(rows(2.0, 1), alone=True))
         await asyncio.sleep(0.01)
-        waiting = not second.done()  # waiting, not run inline next to the busy engine
+        waiting = not second.done()  # waiting in the queue, not handed over next to the busy engine
         engine.release.set()
         results = await asyncio.gather(first, second)
         await batcher.stop()
@@ -738,14 +765,15 @@ def test_no_inline_run_while_a_batch_is_on_the_engine():
     engine, waiting, results, loop_thread = asyncio.run(main())
     assert waiting
     check_own(results[1], rows(2.0, 1))
+    assert results[1].queue_s > 0.0
     assert engine.max_active == 1 and len(engine.threads) == 1 and loop_thread not in engine.threads
 
 
-def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
+def test_a_direct_failure_reaches_the_caller_as_an_engine_error():
     async def main():
         engine = FakeEngine()
         observer = Recorder()
-        batcher = make(engine, observer, max_delay_s=0.0, inline_max_s=0.05)
+        batcher = make(engine, observer, max_delay_s=0.0, direct_max_s=0.05)
         batcher.start()
         await batcher.submit(rows(1.0, 1), alone=True)
         engine.fail_with = RuntimeError("device lost")
@@ -758,7 +786,8 @@ def test_an_inline_failure_reaches_the_caller_as_an_engine_error():
 
     result, seen = asyncio.run(main())
     check_own(result, rows(3.0, 1))
-    assert len(seen) == 2 and all(call[0] == 1 for call in seen)  # inline runs are reported as batches of 1
+    assert result.queue_s == 0.0
+    assert len(seen) == 2 and all(call[0] == 1 for call in seen)  # direct runs are reported as batches of 1
 
 
 def test_with_two_batches_in_flight_the_next_batch_runs_while_one_is_held():

@@ -31,7 +31,7 @@ def test_usage_charges_the_busy_child() -> None:
         assert 0.3 <= usage["busiest_process_cores"] <= 1.1  # the child spun for ~0.6 of the second
         assert usage["server_cores"] >= usage["busiest_process_cores"]
         assert usage["engine_process_cores"] is None
-        assert 0 < usage["host_busy_cores"] <= usage["host_cores"]
+        assert 0 < usage["host_busy_cores"] <= usage["host_cores"] * 1.05  # /proc/stat ticks vs the wall clock
         assert "server" in cpu_usage.describe(usage)
     finally:
         child.kill()

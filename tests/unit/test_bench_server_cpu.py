@@ -22,23 +22,25 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="ne
 
 
 def _spin(seconds: float) -> None:
-    ends = time.process_time() + seconds
-    while time.process_time() < ends:
+    """Spin until this thread has used ``seconds`` of CPU (however busy the host)."""
+    ends = time.thread_time() + seconds
+    while time.thread_time() < ends:
         pass
 
 
 def test_thread_cpu_ticks_charges_the_thread_that_worked() -> None:
-    release, native_id = threading.Event(), []
+    release, spun, native_id = threading.Event(), threading.Event(), []
 
     def work() -> None:
         native_id.append(threading.get_native_id())
         _spin(0.3)
+        spun.set()
         release.wait(10)
 
     before = server_cpu.thread_cpu_ticks(os.getpid())
     worker = threading.Thread(target=work)
     worker.start()
-    time.sleep(0.5)  # the worker has spun and is waiting
+    assert spun.wait(30)  # the worker has spun and is waiting
     after = server_cpu.thread_cpu_ticks(os.getpid())
     release.set()
     worker.join()

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.api.metrics_route import router
 from service.errors import ServiceError
 from service.metrics import REFUSAL_REASONS, EngineProcessMetrics, Metrics
+from service.runtime.phases import LoadPhases
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the provisioning and compose files")
 promql = pytest.importorskip("promql_parser", reason="promql-parser (the test extra) parses the dashboard's PromQL")
@@ -65,6 +66,9 @@ def _exercised_text() -> str:
     metrics.observe_batch("m", 1, 8, 0.004)
     metrics.set_queue_depth("m", 1, 3)
     metrics.set_loaded_models(1)
+    phases = LoadPhases()
+    phases.add("warm", 2.5)
+    metrics.observe_load("m", 1, phases)
     metrics.refused_connection(REFUSAL_REASONS[0])
     metrics.rebalanced.inc()
     engine = EngineProcessMetrics()

@@ -93,6 +93,26 @@ def test_graph_fields_change_only_with_what_changes_the_graph():
     assert flipped.effective(settings).graph_fields() != base
 
 
+
+def test_an_unset_tolerance_is_left_to_the_graphs_precision_through_the_sandbox_command_line():
+    from service.model_config import VerifyTolerance
+    from service.registry.sandbox import _tolerance_argv
+
+    settings = ServiceSettings(_env_file=None)
+    base = ModelConfig().effective(settings)
+    assert base.verify_tolerance is None and "verify_tolerance" not in base.graph_fields()
+    assert ModelConfig(verify_tolerance=VerifyTolerance()).effective(settings).verify_tolerance is None  # {}: unset
+    assert _tolerance_argv(base.verify_tolerance) == []  # the child then takes the graph's precision's default
+    own = ModelConfig(verify_tolerance=VerifyTolerance(rtol=1e-3)).effective(settings)
+    assert own.graph_fields()["verify_tolerance"] == {"rtol": 1e-3}
+    assert own.to_dict()["verify_tolerance"] == {"rtol": 1e-3, "atol": None}
+    assert _tolerance_argv(own.verify_tolerance) == ["--rtol", "0.001"]
+    # the fp32 default's figures, given by the user: the user's (an fp16 graph is then held to them)
+    given = ModelConfig(verify_tolerance=VerifyTolerance(rtol=1e-4, atol=1e-5)).effective(settings)
+    assert given.graph_fields() != base.graph_fields()
+    assert _tolerance_argv(given.verify_tolerance) == ["--rtol", "0.0001", "--atol", "1e-05"]
+
+
 # ---------------------------------------------------------------- image models
 def test_an_image_config_round_trips_with_its_null_fields():
     from service.imaging import Postprocess, Preprocess
@@ -132,3 +152,15 @@ def test_labels_from_a_file_merge_into_the_postprocess_once():
         config.with_labels(("x", "y"))
     with pytest.raises(ValidationError, match="label 1"):
         ModelConfig().with_labels(("x", ""))
+
+
+def test_triton_configs_as_grpc_json_writes_them_are_read():
+    """tritonclient.grpc's ``get_model_config(as_json=True)`` writes uint64 as strings; a model without a batch
+    dimension shows max_batch_size 0 (the default here); a hand-written parameter may be a bare string."""
+    grpc_json = {"name": "m", "platform": "onnxruntime_onnx", "max_batch_size": 0,
+                 "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["3"]}],
+                 "dynamic_batching": {"max_queue_delay_microseconds": "1500"},
+                 "parameters": {"buckets": {"string_value": "[1, 8]"}, "description": {"string_value": "plain text"}}}
+    config = ModelConfig.model_validate(grpc_json)
+    assert (config.max_batch_size, config.max_delay_ms, config.buckets) == (None, 1.5, (1, 8))
+    assert config.description == "plain text"

@@ -218,3 +218,17 @@ def test_model_config_and_settings_share_each_bound(model_field, settings_field,
             ServiceSettings(**{settings_field: value})
     assert getattr(ModelConfig(**{model_field: edge}), model_field) == edge
     assert getattr(ServiceSettings(**{settings_field: edge}), settings_field) == edge
+
+
+def test_the_default_model_is_the_demo_and_a_model_name():
+    from service.registry.acceptance import MODEL_NAME_PATTERN
+    from service.registry.manager import DEMO_MODEL
+
+    field = ServiceSettings.model_fields["default_model"]
+    assert field.default == DEMO_MODEL
+    assert [getattr(item, "pattern", None) for item in field.metadata if getattr(item, "pattern", None)] == [
+        MODEL_NAME_PATTERN]
+    assert load_settings(default_model="").default_model is None
+    assert load_settings(default_model="resnet18").default_model == "resnet18"
+    with pytest.raises(SettingsError, match="SERVICE_DEFAULT_MODEL"):
+        load_settings(default_model="../etc")

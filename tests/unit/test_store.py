@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -25,6 +26,18 @@ def stage(store: ModelStore, content: bytes) -> Path:
 def add(store: ModelStore, name: str, content: bytes, **meta) -> int:
     optimized = stage(store, b"optimized:" + content)
     return store.add_version(name, stage(store, content), files={"optimized.onnx": optimized}, metadata=meta)
+
+
+def test_stored_files_are_readable_like_ordinary_files(tmp_path):
+    before = os.umask(0o022)
+    try:
+        store = ModelStore(tmp_path)
+        version = add(store, "m", b"one")
+    finally:
+        os.umask(before)
+    for filename in (ORIGINAL, "optimized.onnx", METADATA):
+        mode = stat.S_IMODE(store.file_path("m", version, filename).stat().st_mode)
+        assert mode == 0o644, f"{filename}: {oct(mode)}"
 
 
 def test_versions_are_numbered_and_complete(tmp_path):
@@ -284,3 +297,20 @@ def test_a_cleanup_leaves_a_live_process_work_alone_and_removes_it_once_that_pro
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def test_tuner_faults_are_kept_store_wide_once_each(tmp_path):
+    """Faults are kept in the store's root (every process sharing the store reads them), one per GPU model,
+    ORT version, graph and configuration; a fault seen again replaces the older entry."""
+    store = ModelStore(tmp_path)
+    assert store.tuner_faults() == []
+    fault = {"device": "GPU X", "ort_version": "1.31.1", "graph_sha256": "a" * 64, "config": "plain/nchw/fp32",
+             "variant": "plain", "error": "CUDA failure 715", "seen": "2026-12-02T08:00:00Z"}
+    other = {**fault, "config": "plain/nchw/fp16"}
+    store.add_tuner_faults([fault])
+    store.add_tuner_faults([other, {**fault, "seen": "2026-12-02T09:00:00Z"}])
+    assert store.tuner_faults() == [other, {**fault, "seen": "2026-12-02T09:00:00Z"}]
+    assert ModelStore(tmp_path).tuner_faults() == store.tuner_faults()  # another process sharing the store
+    assert store.list_models() == {} and store.is_fresh()  # the file is no model
+    (tmp_path / ".tuner-faults.json").write_text("{not json")
+    assert store.tuner_faults() == []  # an unreadable file costs the knowledge, never the load

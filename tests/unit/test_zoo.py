@@ -8,6 +8,8 @@ Expected op counts come from torchvision's architectures and from the real expor
 from __future__ import annotations
 
 import functools
+import os
+import stat
 import subprocess
 import sys
 from collections import Counter
@@ -280,4 +282,7 @@ def test_cli_lists_and_builds(tmp_path: Path) -> None:
     model = onnx.load(str(out))
     onnx.checker.check_model(model, full_check=True)
     assert histogram(model)["Conv"] == 20
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644 & ~umask, "an ordinary file, not a private temp file"
     assert run_cli("nope", str(out)).returncode != 0

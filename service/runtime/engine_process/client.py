@@ -53,7 +53,7 @@ class RemoteEngineLoader:
 
     def __call__(self, request: LoadRequest) -> LoadedEngine:
         engines, loaded = self.connect_all(request)
-        return LoadedEngine(RemoteEnginePool(engines), loaded.record)
+        return LoadedEngine(RemoteEnginePool(engines), loaded.record, phases=loaded.phases)
 
     def connect_all(self, request: LoadRequest) -> tuple[list[RemoteEngine], protocol.Loaded]:
         """``in_flight`` connections to the engine of ``request`` and what the first one learnt of it."""
@@ -111,9 +111,6 @@ class RemoteEngine:
     def last_engine_seconds(self) -> float | None:
         """The last batch's time in the engine itself, as for an engine in process (not the round trip)."""
         return self._last_engine_s
-
-    def prepare_thread(self) -> None:
-        """Nothing to prepare here: the engine process prepares its own thread."""
 
     def page_locker(self) -> PageLocker | None:
         return None
@@ -206,9 +203,6 @@ class RemoteEnginePool:
     def last_engine_seconds(self) -> float | None:
         """The calling thread's last call's engine time (see ``RemoteEngine.last_engine_seconds``)."""
         return getattr(self._last, "seconds", None)
-
-    def prepare_thread(self) -> None:
-        """Nothing to prepare here: the engine process prepares its own thread."""
 
     def page_locker(self) -> PageLocker | None:
         return None

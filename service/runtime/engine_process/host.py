@@ -10,8 +10,9 @@ version, in one CUDA context, for all of them.
 How:
 * Workers connect over a Unix socket in the server's private folder (mode 0700) and authenticate with a key
   the supervisor made (``multiprocessing.connection``'s HMAC handshake). One connection per model version per
-  worker batch slot; its first message loads the version (``protocol.Load``), the same as ``load_in_process``.
-  Workers that load the same files with the same options share one engine (the tuner runs once).
+  worker batch slot; its first message loads the version (``protocol.Load``), the same as ``load_in_process``,
+  on the thread that will serve the engine (ORT keeps CUDA graphs per thread: each bucket is warmed once,
+  there). Workers that load the same files with the same options share one engine (the tuner runs once).
 * Tensors travel through shared buffers (``shared_buffer``): the worker writes its batch into its own mapped
   file and sends only the layout; the answer comes back the same way in a file this process made for the
   connection. On CUDA this process page-locks each worker's buffer while it maps it, so the engine copies the
@@ -28,6 +29,7 @@ How:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -146,24 +148,26 @@ Outcome = Mapping[str, np.ndarray] | BaseException
 
 
 class HostedEngine:
-    """One engine, shared by every connection that loaded it, served by one thread (see the module docstring).
+    """One engine, shared by every connection that loaded it, loaded and served by one thread (see the module
+    docstring).
 
-    The thread waits until some connections are readable, reads every batch that waits, runs them merged
-    (same sample shapes, up to ``merge_limit`` samples per call) and answers each."""
+    The thread first loads the engine (``start`` returns once it is loaded, or raises what the load raised);
+    then it waits until some connections are readable, reads every batch that waits, runs them merged (same
+    sample shapes, up to ``merge_limit`` samples per call) and answers each."""
 
     def __init__(
-        self, key: str, loaded: LoadedEngine, batch_limit: int, *, label: str = "",
-        observe: BatchObserver | None = None, release: Callable[[HostedEngine], None] | None = None,
+        self, key: str, request: LoadRequest, loader: Loader, *, observe: BatchObserver | None = None,
+        release: Callable[[HostedEngine], None] | None = None,
     ) -> None:
         self.key = key
-        self.label = label
+        self.label = request.label
+        self._request = request
+        self._loader = loader
         self._observe = observe
         self._release = release
-        self.engine: Engine = loaded.engine
-        self.record = loaded.record
+        self._loaded: concurrent.futures.Future[LoadedEngine] = concurrent.futures.Future()
         self.refs = 0
-        self.merge_limit = self.engine.signature.samples_per_call(batch_limit, self.engine.max_batch_size)
-        self._thread = threading.Thread(target=self._loop, name="engine-host-run", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-host-run", daemon=True)
         self._state = threading.Lock()
         self._stopped = False
         self._joining: list[_Client] = []
@@ -179,10 +183,12 @@ class HostedEngine:
         engine = self.engine
         description = engine.describe()
         return protocol.Loaded(engine.signature, int(engine.max_batch_size), engine.provider,
-                               str(description.get("variant", "?")), self.record, description)
+                               str(description.get("variant", "?")), self.record, description, self.phases)
 
     def start(self) -> None:
+        """Start the thread and wait until it has loaded the engine (raising what the load raised)."""
         self._thread.start()
+        self._loaded.result()
 
     def attach(self, client: _Client) -> None:
         """Serve this connection from now on (its reference was counted by the host's acquire)."""
@@ -205,8 +211,24 @@ class HostedEngine:
             os.write(self._wake_write, b"x")
 
     # ------------------------------------------------------------------ the serving thread
+    def _run(self) -> None:
+        """Load the engine on this thread (the one that serves it), then serve."""
+        try:
+            loaded = self._loader(self._request)
+            self.engine: Engine = loaded.engine
+            self.record, self.phases = loaded.record, loaded.phases
+            self.merge_limit = self.engine.signature.samples_per_call(self._request.batch_limit,
+                                                                      self.engine.max_batch_size)
+        except BaseException as exc:
+            self._loaded.set_exception(exc)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._selector.close()
+            return
+        self._loaded.set_result(loaded)
+        self._loop()
+
     def _loop(self) -> None:
-        self.engine.prepare_thread()  # capture CUDA graphs for this thread now, not in the first request
         clients: dict[Any, _Client] = {}
         self._selector.register(self._wake_read, selectors.EVENT_READ)
         try:
@@ -377,11 +399,9 @@ class EngineHost:
                 if hosted is not None:
                     hosted.refs += 1
                     return hosted
-            loaded = self._loader(request)
-            hosted = HostedEngine(key, loaded, request.batch_limit, label=request.label, observe=self._observe,
-                                  release=self._release)
+            hosted = HostedEngine(key, request, self._loader, observe=self._observe, release=self._release)
+            hosted.start()  # the engine is loaded on the thread that serves it
             hosted.refs = 1
-            hosted.start()
             with self._lock:
                 self._engines[key] = hosted
             where = f" on {self.device.label}" if self.device is not None else ""

@@ -20,6 +20,7 @@ from service import errors
 from service.errors import EngineError, ServiceError
 from service.runtime.contract import LoadRequest, Signature
 from service.runtime.engine_process.shared_buffer import Layout
+from service.runtime.phases import LoadPhases
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Close:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Loaded:
-    """What a worker learns of the engine it loaded."""
+    """What a worker learns of the engine it loaded (``phases``: how its load went in the engine process)."""
 
     signature: Signature
     max_batch_size: int
@@ -51,6 +52,7 @@ class Loaded:
     variant: str
     record: dict[str, Any]
     description: dict[str, Any]
+    phases: LoadPhases = dataclasses.field(default_factory=LoadPhases)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

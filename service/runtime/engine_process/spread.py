@@ -117,9 +117,6 @@ class SpreadEngine:
     def last_engine_seconds(self) -> float | None:
         return getattr(self._last, "seconds", None)
 
-    def prepare_thread(self) -> None:
-        """Nothing to prepare here: each engine process prepares its own thread."""
-
     def page_locker(self) -> PageLocker | None:
         return None
 
@@ -288,7 +285,7 @@ class SpreadEngineLoader:
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="device-board", daemon=True)
                 self._watcher.start()
-        return LoadedEngine(engine, loaded.record, extra)
+        return LoadedEngine(engine, loaded.record, extra, phases=loaded.phases)
 
     def _load_first(self, request: LoadRequest, lanes: list[Lane]) -> tuple[Lane, protocol.Loaded]:
         """The version on the first device that serves (the tuner may run there)."""

@@ -92,7 +92,7 @@ async def test_a_model_verification_tolerance_is_used_and_recorded(fresh: httpx.
     assert r.status_code == 201, r.text
     assert (r.json()["report"]["verify_rtol"], r.json()["report"]["verify_atol"]) == (1e-3, 1e-4)
     (version,) = (await fresh.get("/v1/models/tol")).json()["versions"]
-    assert version["config"]["tolerance"] == {"rtol": 1e-3, "atol": 1e-4}
+    assert version["config"]["verify_tolerance"] == {"rtol": 1e-3, "atol": 1e-4}
     r = await fresh.post("/v1/models/plain", content=tiny_bytes, headers={**AUTH, "content-type": OCTET})
     assert (r.json()["report"]["verify_rtol"], r.json()["report"]["verify_atol"]) == (1e-4, 1e-5)
     for bad in ({"rtol": 0.5}, {"atol": -1}, {"rtol": 1e-3, "verify": False}):

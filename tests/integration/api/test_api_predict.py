@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from api_kit import reference, sample, upload
+from api_kit import make_settings, reference, sample, serve_app, tiny_cnn, upload
 
 pytestmark = pytest.mark.anyio
 
@@ -262,3 +262,25 @@ async def test_concurrent_requests_get_their_own_rows(shared: httpx.AsyncClient,
     for x, r in zip(xs, replies, strict=True):
         assert r.status_code == 200, r.text
         _close(r.json()["outputs"]["logits"], reference(tiny_bytes, x)["logits"])
+
+
+@pytest.mark.parametrize("default", ["second", "gone", ""])
+async def test_a_request_without_a_model_goes_to_the_default_model(tmp_path, tiny_bytes: bytes, default: str) -> None:
+    """SERVICE_DEFAULT_MODEL keeps a bare /predict working once a second model is uploaded; without it (unset,
+    or a model the server does not hold) the 400 names the models and the setting."""
+    other = tiny_cnn(seed=9)
+    x = sample()
+    async with serve_app(make_settings(tmp_path, default_model=default)) as client:
+        await upload(client, "first", tiny_bytes)
+        alone = await client.post("/predict", json={"inputs": {"input": x.tolist()}})
+        assert alone.status_code == 200 and alone.json()["model"] == "first", alone.text  # the only model
+        await upload(client, "second", other)
+        r = await client.post("/predict", json={"inputs": {"input": x.tolist()}})
+    if default == "second":
+        assert r.status_code == 200 and r.json()["model"] == "second", r.text
+        _close(r.json()["outputs"]["logits"], reference(other, x)["logits"])
+        return
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "SERVICE_DEFAULT_MODEL" in message and "first, second" in message, message
+    assert ("gone" in message) == (default == "gone"), message

@@ -1,12 +1,17 @@
-"""``python -m service optimize``: an unwritable output is a one-line error, never a traceback.
+"""``python -m service optimize``: an unwritable output is a one-line error, never a traceback; the output is
+an ordinary file (mode 0644 less the umask).
 
 Regression: ``save_model_file``'s OSError escaped ``_cmd_optimize`` (only ServiceError was caught).
 """
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from service.__main__ import main
@@ -48,3 +53,16 @@ def test_writable_output_is_written(tmp_path, capsys):
 
     onnx.checker.check_model(onnx.load(str(out)))
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_output_is_an_ordinary_file_under_the_umask(tmp_path, capsys, umask):
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    _write_conv(src)
+    before = os.umask(umask)
+    try:
+        assert main(["optimize", str(src), str(out)]) == 0
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out.onnx"], "no temp file is left"

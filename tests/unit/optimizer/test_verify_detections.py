@@ -145,12 +145,16 @@ def test_the_report_records_the_tolerance_and_says_when_it_is_looser(kit):
     model = kit.model([kit.node("Relu", ["x"], ["y"])], [kit.inp("x", ["N", 4])], [kit.out("y", ["N", 4])])
     _, default = optimize(model)
     assert (default.verify_rtol, default.verify_atol) == (1e-4, 1e-5)
-    assert "tolerance: rtol 1e-4, atol 1e-5 (the default)" in default.summary()
-    _, loose = optimize(model, OptimizerConfig(rtol=1e-2))
-    assert loose.verify_rtol == 1e-2
-    assert "rtol 0.01, atol 1e-5 (LOOSER than the default rtol 1e-4, atol 1e-5)" in loose.summary()
+    assert (default.verify_precision, default.verify_tolerance_source) == ("fp32", "default")
+    assert "tolerance: rtol 1e-4, atol 1e-5 (the default for fp32 graphs)" in default.summary()
+    _, loose = optimize(model, OptimizerConfig(rtol=1e-2))  # atol left out: the precision's default
+    assert (loose.verify_rtol, loose.verify_atol, loose.verify_tolerance_source) == (1e-2, 1e-5, "user")
+    assert ("rtol 0.01, atol 1e-5 (set for this model; LOOSER than the default for fp32 graphs, rtol 1e-4,"
+            " atol 1e-5)") in loose.summary()
     restored = OptimizationReport.from_dict(loose.to_dict())
-    assert (restored.verify_rtol, restored.verify_atol) == (1e-2, 1e-5)
+    assert (restored.verify_rtol, restored.verify_atol, restored.verify_tolerance_source) == (1e-2, 1e-5, "user")
+    _, same = optimize(model, OptimizerConfig(rtol=1e-4, atol=1e-5))  # the default's figures, given: still the user's
+    assert "rtol 1e-4, atol 1e-5 (set for this model; the default for fp32 graphs)" in same.summary()
 
 
 @pytest.mark.parametrize("tolerance", [{"rtol": -1e-4}, {"atol": float("nan")}, {"rtol": float("inf")}])

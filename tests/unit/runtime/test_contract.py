@@ -377,11 +377,10 @@ def assert_engine(engine: Any) -> None:
     assert set(outputs) == {spec.name for spec in engine.signature.outputs}
     assert all(len(value) == 3 for value in outputs.values())  # the parts' rows, in one batch
     assert isinstance(engine.describe(), dict)
-    engine.prepare_thread()
 
 
 def test_the_protocol_lists_what_the_layers_use() -> None:
-    methods = ["close", "describe", "last_engine_seconds", "page_locker", "prepare_thread", "run_parts"]
+    methods = ["close", "describe", "last_engine_seconds", "page_locker", "run_parts"]
     assert methods == PROTOCOL_METHODS
     attributes = {"signature": Signature, "max_batch_size": int, "max_concurrent_calls": int, "provider": str}
     assert attributes == PROTOCOL_ATTRIBUTES

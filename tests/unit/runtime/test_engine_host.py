@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import pytest
 from builders import reference, tiny_cnn, with_row_copies
-from engine_models import GatedEngine
+from engine_models import GatedEngine, ThreadBoundEngine
 
 from service.errors import EngineError, InvalidInputError, QueueFullError
 from service.runtime.contract import EngineOptions, LoadedEngine, LoadRequest, Signature, TensorSpec
@@ -34,6 +34,7 @@ from service.runtime.engine_process.client import IN_FLIGHT, RemoteEngine, Remot
 from service.runtime.engine_process.host import EngineHost, HostAddress, engine_key
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
 from service.runtime.loading import load_in_process
+from service.runtime.phases import LoadPhases
 
 CPU = EngineOptions(device="cpu", buckets=(1, 2, 4, 8))
 
@@ -129,7 +130,6 @@ def test_remote_engines_describe_the_engine_in_the_engine_process(folder: Path, 
         assert info["buckets"] == [1, 2, 4, 8]
         assert info["inputs"] == Signature.from_onnx(onnx.load(model_file)).to_dict()["inputs"]
         assert pool.page_locker() is None  # the engine process page-locks its own mappings
-        pool.prepare_thread()  # nothing to prepare on this side
         pool.close()
 
 
@@ -660,3 +660,33 @@ def test_a_buffer_keeps_its_last_layouts_views_and_lets_go_on_close(folder: Path
     del first, again
     buffer.close()
     assert not buffer.path.exists() and buffer._last_views is None
+
+
+def test_the_engine_process_loads_each_engine_on_the_thread_that_serves_it(folder: Path, model_file: Path) -> None:
+    """ORT keeps CUDA graphs per thread: the host loads (and so warms) an engine on its serving thread, and
+    every worker's batches run there, so no bucket is warmed twice (``ThreadBoundEngine`` warms again on any
+    other thread); the load's phases come back to the worker."""
+    built: list[ThreadBoundEngine] = []
+
+    def loader(request: LoadRequest) -> LoadedEngine:
+        engine = ThreadBoundEngine((1, 2, 4), warm_s=0.01)
+        built.append(engine)
+        phases = LoadPhases()
+        phases.add("read", 0.5)
+        return LoadedEngine(engine, {"fake": True}, phases=phases)
+
+    x = np.ones((2, 4), np.float32)
+    with _hosting(folder, loader=loader):
+        pools = [_load(folder, {"plain": model_file}) for _ in range(2)]  # two workers, one engine
+        for loaded in pools:
+            assert loaded.phases.seconds == {"read": 0.5}
+            np.testing.assert_array_equal(loaded.engine.run_parts([{"x": x}])["y"], x * 2)
+            np.testing.assert_array_equal(loaded.engine.run_parts([{"x": x[:1]}, {"x": x}])["y"], np.ones((3, 4)) * 2)
+        for loaded in pools:
+            loaded.engine.close()
+        [engine] = built
+        assert _wait_for(lambda: engine.closed_on is not None)
+    home = engine.warmed[0][1]
+    assert engine.warmed == [(1, home), (2, home), (4, home)]
+    assert set(engine.calls) == {home} and len(engine.calls) == 4
+    assert engine.closed_on == home and home != threading.get_ident()

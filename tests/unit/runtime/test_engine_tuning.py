@@ -300,7 +300,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], float]]:
     (the engines still load on the CPU: ``OrtEngine.load`` resolves the device itself)."""
     asked: list[tuple[list[str], float]] = []
 
-    def fake_tune(cands, settings, configs, device, budget_s):
+    def fake_tune(cands, settings, configs, device, budget_s, known_faults=()):
         asked.append(([c.key for c in configs], budget_s))
         return tuner._load(cands, configs[0], settings), {"choice": configs[0].to_dict(), "device": device}
 

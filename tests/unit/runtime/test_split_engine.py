@@ -115,7 +115,6 @@ def test_the_engine_that_ran_answers_for_its_time_and_the_primary_for_page_locks
     assert engine.last_engine_seconds() == engine.primary.last_engine_seconds() != engine.large.last_engine_seconds()
     assert engine.page_locker() is engine.primary.page_locker()  # None here: the CPU copies through ORT
     assert engine.host_to_device == engine.primary.host_to_device
-    engine.prepare_thread()  # both engines (a no-op without CUDA graphs)
     timed: list[tuple[str, str, int]] = []  # what the tuner's time_batch reaches: the bucket's owner
     for part in (engine.primary, engine.large):
         for name in ("fill", "replay"):

@@ -29,7 +29,7 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     (ordinal, GPU name) and picks the first configuration (the engines still load on the CPU)."""
     timed: list[tuple[int, str]] = []
 
-    def fake_tune(cands, settings, configs, device, budget_s):
+    def fake_tune(cands, settings, configs, device, budget_s, known_faults=()):
         timed.append((settings.device_id, device))
         record = tuner._record(configs[0], device=device, reason="fake timing")
         return tuner._load(cands, configs[0], settings), record
