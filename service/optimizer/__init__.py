@@ -133,6 +133,12 @@ def optimize(
 
 def _export(graph: gs.Graph, template: onnx.ModelProto) -> onnx.ModelProto:
     optimized = gs.export_onnx(graph, do_type_check=True)
+    # No value_info with a dim shape inference made up (``unk__474_run0``, shared by dozens of tensors of a
+    # detector): it misled ONNX Runtime's own graph optimizations, which then failed a Reshape of torchvision's
+    # FCOS and Mask R-CNN where the original runs. Known shapes stay (the fused-op lowering reads them).
+    kept = [info for info in optimized.graph.value_info if not _made_up_dims(info)]
+    del optimized.graph.value_info[:]
+    optimized.graph.value_info.extend(kept)
     required_ir = onnx.helper.find_min_ir_version_for(list(optimized.opset_import), ignore_unknown=True)
     optimized.ir_version = min(max(template.ir_version, required_ir), max(MAX_IR_VERSION, required_ir))
     optimized.producer_name = "onnx-cnn-serve"
@@ -141,6 +147,12 @@ def _export(graph: gs.Graph, template: onnx.ModelProto) -> onnx.ModelProto:
     del optimized.metadata_props[:]
     optimized.metadata_props.extend(template.metadata_props)
     return optimized
+
+
+def _made_up_dims(info: onnx.ValueInfoProto) -> bool:
+    """A dim of ``info`` is one shape inference named for want of knowing it (``unk__N``, per run)."""
+    dims = info.type.tensor_type.shape.dim if info.type.HasField("tensor_type") else ()
+    return any(d.dim_param.startswith("unk__") for d in dims)
 
 
 def _check(model: onnx.ModelProto, message: str, *, full: bool = False) -> None:

@@ -78,10 +78,8 @@ class BucketWarming:
         self.home_thread = threading.get_ident()
         if not self._io_binding:
             started = time.perf_counter()
-            try:
-                self._session.run(self._output_names, random_feeds(self.signature.inputs, self.buckets[0]))
-            except Exception as exc:
-                raise EngineError(f"warm-up failed on {self.provider}: {first_line(exc)}") from exc
+            _run_some_inputs(self._session, self._output_names, self.signature.inputs, self.buckets[0],
+                             self.provider)
             self.warm_s[self.buckets[0]] = time.perf_counter() - started
             for size in self.buckets:
                 self._warmth.add(size)
@@ -171,6 +169,25 @@ class BucketWarming:
         probe = run_options(-1 if self._built.cuda_graph else None)  # -1: run without capturing
         results = self._session.run(self._output_names, random_feeds(self.signature.inputs, size), probe)
         return [tuple(r.shape) for r in results]
+
+
+def _run_some_inputs(session: Any, names: list[str], specs: Any, batch: int, provider: str) -> None:
+    """One run on inputs the model takes: random normal values, else uniform in [0, 1), else zeros (a
+    detector may fail on some values, as torchvision's Keypoint R-CNN did on normal ones; verification drew
+    the inputs it compared the same way). EngineError with the first failure when none runs."""
+    first = None
+    for kind in ("normal", "uniform", "zeros"):
+        feeds = random_feeds(specs, batch)
+        if kind != "normal":
+            rng = np.random.default_rng(1)
+            feeds = {k: (rng.random(v.shape).astype(v.dtype) if kind == "uniform" and v.dtype.kind == "f"
+                         else np.zeros_like(v)) for k, v in feeds.items()}
+        try:
+            session.run(names, feeds)
+            return
+        except Exception as exc:
+            first = first or exc
+    raise EngineError(f"warm-up failed on {provider}: {first_line(first)}") from first
 
 
 __all__ = ["WARMUP_RUNS", "BucketWarming", "WarmBuckets"]

@@ -499,3 +499,27 @@ def test_a_bucket_whose_replay_disagrees_is_left_out(model: onnx.ModelProto, mon
         eng._built = dataclasses.replace(eng._built, cuda_graph=False)
         x = images(3, seed=41)
         np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_warm_up_finds_inputs_the_model_runs_on() -> None:
+    """A model that fails on negative values (a reshape to zero rows, as torchvision's Keypoint R-CNN failed on
+    normal inputs) still loads: the warm-up tries uniform [0, 1) values next; none that runs is an error."""
+    nodes = [
+        helper.make_node("ReduceMin", ["x"], ["low"], keepdims=0),
+        helper.make_node("GreaterOrEqual", ["low", "zero"], ["positive"]),
+        helper.make_node("Cast", ["positive"], ["rows"], to=TensorProto.INT64),
+        helper.make_node("Unsqueeze", ["rows", "axis"], ["rows1"]),
+        helper.make_node("Concat", ["rows1", "minus_one"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"], allowzero=1),  # zero rows: no -1 to infer
+    ]
+    inits = [numpy_helper.from_array(np.float32(0), "zero"), numpy_helper.from_array(np.array([0], np.int64), "axis"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus_one")]
+    graph = helper.make_graph(nodes, "picky", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", "C"])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with OrtEngine.load(model, CPU_OPTIONS) as eng:
+        x = np.full((1, 4), 0.5, np.float32)
+        np.testing.assert_array_equal(eng.run({"x": x})["y"], x)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.float32(100), "zero"))  # minima >= 100: none of them
+    with pytest.raises(EngineError, match="warm-up failed"):
+        OrtEngine.load(model, CPU_OPTIONS)
