@@ -214,14 +214,18 @@ class DataPlane:
     # ------------------------------------------------------------------ health
     @property
     def ready(self) -> bool:
-        """Every stored model loaded and warmed, no shutdown begun, and (several devices) one device serving."""
+        """Every stored model loaded and warmed, no shutdown begun, no GPU fault met while serving
+        (``registry.gpu_faults``), and (several devices) one device serving."""
         devices = self.manager.devices
         serving = devices is None or bool(devices.serving())
-        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving
+        faulted = self.manager.served_faults.fault is not None
+        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving and not faulted
 
     def not_ready_reason(self) -> str:
         if self.shutting_down:
             return "shutting down"
+        if self.manager.served_faults.fault is not None:
+            return self.manager.served_faults.fault
         if self.start_failed is not None:
             return f"startup failed: {self.start_failed}"
         devices = self.manager.devices

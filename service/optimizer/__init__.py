@@ -30,7 +30,7 @@ from service.optimizer.verify_normalization import verify_input_normalization
 # Bump when a pass changes what it writes: it invalidates every cached optimized model.
 # 2: sink_conv_bias; 3: fuse_bn_into_{concat_convs,next_conv}, sink_conv_bias spares padded 1x1;
 # 4: fuse_identity_bn_into_conv, fuse_parallel_convs_into_conv (RepVGG / MobileOne blocks into one conv)
-OPTIMIZER_VERSION = "4"
+OPTIMIZER_VERSION = "5"
 # ONNX Runtime 1.2x-1.3x reads IR versions up to 10-13; never write a newer one than we need.
 MAX_IR_VERSION = 10
 

@@ -46,13 +46,13 @@ from service.errors import (
 from service.imaging.config import Postprocess, Preprocess
 from service.model_config import EffectiveConfig, ModelConfig
 from service.registry.acceptance import validate_new_model_name
+from service.registry.gpu_faults import ServedFaults, save_faults
 from service.registry.importer import import_models
 from service.registry.locks import exclusive_async
 from service.registry.metadata import (
     SCHEMA_VERSION,
     OptimizationRecord,
     VersionMetadata,
-    now_iso,
     stored_record,
 )
 from service.registry.optimizing import Optimizations
@@ -152,6 +152,7 @@ class ModelManager:
                                          server_variants(settings) if variants is None else variants)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
         self._searches = DeferredSearches(self.store, self.check_accepting, self._save_verdict)
+        self.served_faults = ServedFaults(self.store)
         self._started = False
         self.stopping = False
 
@@ -397,12 +398,13 @@ class ModelManager:
                 if not before.records_engine(record):
                     change = functools.partial(_with_record, record, _run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
-            await _save_faults(self.store, mv, [fault for record in records if not record.get("reused")
+            await save_faults(self.store, mv, [fault for record in records if not record.get("reused")
                                          for fault in record.get("faults") or ()])
             activating = time.perf_counter()
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
             threads.warm_while_serving(loaded.engine)
+            mv.on_gpu_fault = self.served_faults.watch(mv, loaded.record, request.files)
             if search_pending(loaded.record):
                 self._searches.schedule(mv, request, loaded.record)
         except BaseException:
@@ -442,18 +444,6 @@ class ModelManager:
     def report_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_loaded_models(self.table.ready_count())
-
-
-async def _save_faults(store: ModelStore, mv: ModelVersion, faults: list[dict[str, Any]]) -> None:
-    """Keep the tuner's new GPU faults store-wide (``runtime.tuner_faults``): later loads skip them."""
-    if not faults:
-        return
-    try:
-        await asyncio.to_thread(store.add_tuner_faults, [{**f, "seen": now_iso(), "model": mv.name} for f in faults])
-        log.info("%s v%d: kept the tuner's GPU faults: %s", mv.name, mv.version, [f.get("config") for f in faults])
-    except (OSError, ServiceError) as exc:  # only a cache of what to skip: the version serves regardless
-        log.warning("%s v%d: the tuner's GPU faults were not saved (%s); a later load tries them again",
-                    mv.name, mv.version, exc.message if isinstance(exc, ServiceError) else exc)
 
 
 def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:

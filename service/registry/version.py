@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,6 +95,8 @@ class ModelVersion:
         stored = metadata.signature if metadata is not None else Signature((), ())
         self.signature = stored.limited(max_batch=config.queue_size, max_bytes=max_input_bytes)
         self.max_batch_size = config.max_batch_size
+        self.on_gpu_fault: Callable[[str], None] | None = None
+        """Told every engine error (``registry.gpu_faults``: a GPU fault is kept and the server turns unready)."""
         self._engine: Engine | None = None
         self._batcher: Batcher | None = None
 
@@ -132,7 +135,12 @@ class ModelVersion:
         batcher = self._batcher
         if self.state is not ModelState.READY or batcher is None:
             raise ModelNotReadyError(f"model {self.name!r} version {self.version} is {self.state.value.lower()}")
-        result = await batcher.submit(request, alone=alone)
+        try:
+            result = await batcher.submit(request, alone=alone)
+        except EngineError as exc:
+            if self.on_gpu_fault is not None:
+                self.on_gpu_fault(exc.message)
+            raise
         outputs = result.outputs
         if request.outputs is not None:
             try:
