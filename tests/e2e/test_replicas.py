@@ -177,7 +177,8 @@ def test_replicas_on_one_store_serve_as_one(tmp_path: Path) -> None:
         # C killed with -9 while it optimizes an upload, under load: no failed request, nothing half-done served
         urls = [s.url for s in (a, b, c, d)]
         with RetryingClient(urls, predict_body("dup", x)) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
-            doomed = pool.submit(upload, c.url, "half", slow_cnn(seed=15))
+            # big enough that optimizing and verifying it takes seconds: the kill lands before it is published
+            doomed = pool.submit(upload, c.url, "half", slow_cnn(seed=15, width=64, size=224, layers=6))
             deadline = time.monotonic() + 30
             while not any(p.name.endswith(".d") for p in (models / ".staging").iterdir()):
                 assert time.monotonic() < deadline and not doomed.done(), "C never started optimizing"
