@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from service.optimizer.row_matching import closest_miss, match_rows
+from service.optimizer.row_matching import closest_miss, detection_rows, match_rows
 from service.optimizer.unordered import Unordered
 
 TOLERANCES = {"float16": (1e-2, 1e-3), "bfloat16": (1e-1, 1e-2)}
@@ -152,29 +152,25 @@ def _set_tolerance(exp: np.ndarray) -> float:
 
 def _compare_sets(result: Comparison, members: list[tuple[str, np.ndarray, np.ndarray, int]]) -> None:
     """The group's detections matched one-to-one within tolerance; matched pairs count towards the diffs."""
-    axis = members[0][3]
-    shape = members[0][1].shape[: axis + 1]
-    groups, rows = math.prod(shape[:axis]), shape[axis]
-    if not groups * rows:
+    total, expected, got = detection_rows([(exp, act) for _, exp, act, _ in members], members[0][3])
+    if not total:
         return
-    parts = [(exp.reshape(groups, rows, -1), act.reshape(groups, rows, -1)) for _, exp, act, _ in members]
     tolerances = [_set_tolerance(exp) for _, exp, _, _ in members]
-    expected, got = [p[0] for p in parts], [p[1] for p in parts]
     assignment = match_rows(expected, got, tolerances)
     unmatched = int((assignment < 0).sum())
     names = [name for name, *_ in members]
     if unmatched:
         worst, part = closest_miss(expected, got, tolerances, assignment)
         result.problems.append(
-            f"{names}: {unmatched} of {groups * rows} detections have no match (largest |diff| {worst:.3g}, in"
+            f"{names}: {unmatched} of {total} detections have no match (largest |diff| {worst:.3g}, in"
             f" '{names[part]}')"
         )
         result.unmatched += unmatched
         result.set_problems += 1
-    for (_, exp, _, _), (_, act3) in zip(members, parts, strict=True):
+    for (_, exp, _, _), e3, act3 in zip(members, expected, got, strict=True):
         paired = np.take_along_axis(act3, np.maximum(assignment, 0)[:, :, None], axis=1)
         keep = (assignment >= 0)[:, :, None]
-        e3 = exp.reshape(groups, rows, -1).astype(np.float64)
+        e3 = e3.astype(np.float64)
         diff = np.where(keep, np.abs(paired.astype(np.float64) - e3), 0.0)
         finite = np.isfinite(e3)
         scale = float(np.abs(e3[finite]).max()) if finite.any() else 0.0

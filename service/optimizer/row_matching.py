@@ -21,6 +21,21 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def detection_rows(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], axis: int
+) -> tuple[int, list[np.ndarray], list[np.ndarray]]:
+    """One group of unordered outputs as (detections in all, expected, got), each array reshaped to
+    [sets, detections, values]: the axes before ``axis`` index independent sets (images of a batch), ``axis``
+    the detections, the rest one detection's values (what ``match_rows`` matches); (0, [], []) for none."""
+    shape = pairs[0][0].shape[: axis + 1]
+    groups, rows = int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis])
+    if not groups * rows:  # no detection: nothing to reshape (or match)
+        return 0, [], []
+    expected = [exp.reshape(groups, rows, -1) for exp, _ in pairs]
+    got = [act.reshape(groups, rows, -1) for _, act in pairs]
+    return groups * rows, expected, got
+
+
 def match_rows(expected: Sequence[np.ndarray], got: Sequence[np.ndarray], tolerances: Sequence[float]) -> np.ndarray:
     """``expected[p]`` and ``got[p]``: part ``p`` as a [groups, rows, values] array, the same shape on both
     sides, with its tolerance ``tolerances[p]``; rows pair up within each group. Returns [groups, rows]: the

@@ -70,7 +70,7 @@ import onnx
 import onnxruntime as ort
 
 from service.errors import OptimizationError, VerificationError
-from service.optimizer.row_matching import closest_miss, match_rows
+from service.optimizer.row_matching import closest_miss, detection_rows, match_rows
 from service.optimizer.tolerance import (  # noqa: F401 (DEFAULT_*, check_tolerance: this module's API too)
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -276,27 +276,24 @@ class _Comparison:
 
     def _compare_sets(self, where: str, members: list[tuple[Target, np.ndarray, np.ndarray, int]]) -> None:
         """Match the group's detections one-to-one within tolerance, then compare the matched pairs."""
-        axis = members[0][3]
-        shape = members[0][1].shape[: axis + 1]
-        groups, rows = math.prod(shape[:axis]), shape[axis]
-        if not groups * rows:
+        total, expected, got = detection_rows([(exp, act) for _, exp, act, _ in members], members[0][3])
+        if not total:
             return
-        parts = [(exp.reshape(groups, rows, -1), act.reshape(groups, rows, -1)) for _, exp, act, _ in members]
         tolerances = [self._set_tolerance(exp) for _, exp, _, _ in members]
-        assignment = match_rows([p[0] for p in parts], [p[1] for p in parts], tolerances)
+        assignment = match_rows(expected, got, tolerances)
         unmatched = int((assignment < 0).sum())
         if unmatched:
-            worst, part = closest_miss([p[0] for p in parts], [p[1] for p in parts], tolerances, assignment)
+            worst, part = closest_miss(expected, got, tolerances, assignment)
             names = ", ".join(f"'{t.key}'" for t, *_ in members)
             kind = "outputs" if all(t.is_output for t, *_ in members) else "tensors"
             label = members[0][0].label if len(members) == 1 else f"{kind} {names}"
             origin = self._origin(members[0][0].unordered.sources)
             raise _SetMismatch(
-                f"{label} {where}: {unmatched} of {groups * rows} detections {'has' if unmatched == 1 else 'have'}"
+                f"{label} {where}: {unmatched} of {total} detections {'has' if unmatched == 1 else 'have'}"
                 f" no match within rtol {tolerance_text(self.rtol)}/atol {tolerance_text(self.atol)} (largest"
                 f" |diff| {worst:.3g}, in '{members[part][0].key}'; compared as a set: the order comes from {origin})"
             )
-        for (target, exp, _, _), (_, act3) in zip(members, parts, strict=True):
+        for (target, exp, _, _), act3 in zip(members, got, strict=True):
             matched = np.take_along_axis(act3, assignment[:, :, None], axis=1).reshape(exp.shape)
             self._compare(f"{target.label} {where}", exp, matched)
 
