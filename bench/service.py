@@ -803,6 +803,7 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
     from service.model_config import ModelConfig
     from service.optimizer.io import load_model_file
     from service.registry.manager import engine_options
+    from service.runtime.contract import WarmsWhileServing
     from service.runtime.tuner import select_variant
     from service.settings import ServiceSettings
 
@@ -818,6 +819,8 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
         cached_choice=meta.get("engine"),
     )
     print(f"  engine variant {engine.variant} ({record.get('reason')}), version {version.name}", flush=True)
+    while isinstance(engine, WarmsWhileServing) and engine.warm_next():  # every bucket, as a server that has
+        pass  # served a while has them (runtime.warming), on the calling thread, which then serves
     return engine
 
 

@@ -88,13 +88,9 @@ class TritonPythonModel:
         params = parameters(config)
         sys.path[:] = import_path(params["python_path"].split(os.pathsep), sys.path)
         from bench.service import load_served_engine
-        from service.runtime.contract import random_feeds
 
+        # loaded and every bucket warmed on this thread, the stub's, which runs execute() too
         self.engine = load_served_engine(Path(params["model_dir"]), params["model_name"], params["device"])
-        self.engine.prepare_thread()
-        rng = np.random.default_rng(0)
-        for size in self.engine.describe().get("buckets") or [1]:
-            self.engine.run_parts([random_feeds(self.engine.signature.inputs, int(size), rng)])
         self.input_names = [spec["name"] for spec in config["input"]]
         self.output_names = [spec["name"] for spec in config["output"]]
 

@@ -22,7 +22,7 @@ from service.optimizer.opset import default_opset, upgrade_opset
 from service.optimizer.passes.fold_input_normalization import InputNormalization, fold_input_normalization
 from service.optimizer.pipeline import DEFAULT_PIPELINE, PassSpec, run_once, run_pipeline
 from service.optimizer.report import OptimizationReport, PassStat, op_histogram
-from service.optimizer.shapes import batched_outputs, declare_batch_dims
+from service.optimizer.shapes import UNKNOWN_PREFIX, batched_outputs, declare_batch_dims
 from service.optimizer.tolerance import USER, check_tolerance, is_looser
 from service.optimizer.verify import verify_equivalent
 from service.optimizer.verify_normalization import verify_input_normalization
@@ -152,7 +152,7 @@ def _export(graph: gs.Graph, template: onnx.ModelProto) -> onnx.ModelProto:
 def _made_up_dims(info: onnx.ValueInfoProto) -> bool:
     """A dim of ``info`` is one shape inference named for want of knowing it (``unk__N``, per run)."""
     dims = info.type.tensor_type.shape.dim if info.type.HasField("tensor_type") else ()
-    return any(d.dim_param.startswith("unk__") for d in dims)
+    return any(d.dim_param.startswith(UNKNOWN_PREFIX) for d in dims)
 
 
 def _check(model: onnx.ModelProto, message: str, *, full: bool = False) -> None:

@@ -246,17 +246,21 @@ class _Comparison:
             expected = reference_run(self.reference, [t.reference for t in self.targets], feeds)
         except Exception as exc:
             return _short(exc)
+        where = f"at batch {batch} ({KIND_TEXT[kind]})"
+        self._compare_run(where, expected, self.run_candidate(feeds, where))
+        return None
+
+    def run_candidate(self, feeds: dict[str, np.ndarray], where: str) -> list:
+        """The optimized model's targets on ``feeds``: an OptimizationError where it cannot run (the original
+        ran on them)."""
         try:
-            got = self.candidate.run(
+            return self.candidate.run(
                 [t.candidate for t in self.targets], {k: v for k, v in feeds.items() if k in self.candidate_inputs}
             )
         except Exception as exc:
             raise OptimizationError(
-                f"the optimized model fails to run at batch {batch} ({KIND_TEXT[kind]}) on ONNX Runtime, where"
-                f" the original runs: {_short(exc)}"
+                f"the optimized model fails to run {where} on ONNX Runtime, where the original runs: {_short(exc)}"
             ) from exc
-        self._compare_run(f"at batch {batch} ({KIND_TEXT[kind]})", expected, got)
-        return None
 
     def _compare_run(self, where: str, expected: list, got: list) -> None:
         groups: dict[tuple, list[tuple[Target, np.ndarray, np.ndarray, int]]] = {}

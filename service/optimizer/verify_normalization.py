@@ -86,15 +86,8 @@ class _PixelComparison(_Comparison):
             expected = reference_run(self.reference, [t.reference for t in self.targets], normalised)
         except Exception as exc:
             return _short(exc)
-        candidate_feeds = {k: v for k, v in feeds.items() if k in self.candidate_inputs}
-        try:
-            got = self.candidate.run([t.candidate for t in self.targets], candidate_feeds)
-        except Exception as exc:
-            raise OptimizationError(
-                f"the optimized model fails to run at batch {batch} on ONNX Runtime, where the original runs:"
-                f" {_short(exc)}"
-            ) from exc
-        self._compare_run(f"at batch {batch} (random pixels)", expected, got)
+        where = f"at batch {batch} (random pixels)"
+        self._compare_run(where, expected, self.run_candidate(feeds, where))
         return None
 
 

@@ -22,6 +22,8 @@ from typing import Any
 from service.errors import ServiceError
 from service.registry.metadata import now_iso
 from service.registry.store import ModelStore
+from service.runtime.cuda_configs import Config
+from service.runtime.tuner_faults import fault_entry, is_gpu_fault
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ class ServedFaults:
         configuration of ``files``; anything else is ignored."""
 
         def faulted(error: str) -> None:
-            from service.runtime.tuner_faults import is_gpu_fault
-
             if self.fault is not None or not is_gpu_fault(error):
                 return
             self.fault = f"the GPU faulted serving {mv.name} v{mv.version}: {error[:200]}"
@@ -57,9 +57,6 @@ class ServedFaults:
 
 def _entry(record: Mapping[str, Any], files: Mapping[str, str], error: str) -> dict[str, Any] | None:
     """The fault entry of the record's chosen configuration (None for a record without one: the CPU's)."""
-    from service.runtime.cuda_configs import Config
-    from service.runtime.tuner_faults import fault_entry
-
     try:
         config = Config(**record["choice"])
         graph = hashlib.sha256(Path(files[config.variant]).read_bytes()).hexdigest()

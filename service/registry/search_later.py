@@ -22,6 +22,7 @@ from service.errors import ServiceError
 from service.registry.locks import exclusive_async
 from service.registry.metadata import VersionMetadata, engine_key
 from service.registry.store import ModelStore
+from service.runtime import conv_search
 from service.runtime.contract import LoadRequest
 
 log = logging.getLogger(__name__)
@@ -51,17 +52,16 @@ class DeferredSearches:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _compare(self, mv: Any, request: LoadRequest, record: dict[str, Any]) -> None:
-        from service.runtime.conv_search import measure_pending, pending
-
         try:
             async with exclusive_async(self._store.optimize_lock_path(mv.name, mv.version),
                                        give_up=self._check_accepting):
                 stored = VersionMetadata.parse(await asyncio.to_thread(self._store.read_metadata, mv.name, mv.version))
                 current = stored.engines.get(engine_key(record))
-                if current is not None and not pending(current):
+                if current is not None and not conv_search.pending(current):
                     log.info("%s v%d: the cuDNN search was compared meanwhile", mv.name, mv.version)
                     return
-                compare = functools.partial(measure_pending, record, request.files, request.options, self._cancel)
+                compare = functools.partial(conv_search.measure_pending, record, request.files, request.options,
+                                            self._cancel)
                 measured = await asyncio.to_thread(compare)
                 if self._cancel.is_set():
                     return

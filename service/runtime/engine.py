@@ -245,9 +245,11 @@ class OrtEngine(BucketWarming):
     def bucket_for(self, n: int) -> int:
         """The smallest warm bucket >= n (``runtime.warming``: until every bucket is warm, the largest warm one
         for more rows, and the batch is chunked)."""
-        if self._io_binding:
-            return self._warmth.for_rows(n)
-        return next((size for size in self.buckets if size >= n), self.max_batch_size)
+        return self._warmth.for_rows(n) if self._io_binding else self._bucket_holding(n)
+
+    def _bucket_holding(self, batch: int) -> int:
+        """The smallest bucket >= batch, warm or not (the largest for more rows)."""
+        return next((size for size in self.buckets if size >= batch), self.buckets[-1])
 
     def _largest_call(self) -> int:
         """The most rows one run takes now: the largest warm bucket."""
@@ -258,7 +260,7 @@ class OrtEngine(BucketWarming):
 
         On CUDA with IO binding this is the bare graph replay; elsewhere it runs cached random inputs. Like
         run_parts, one thread at a time."""
-        size = self.buckets[-1] if batch > self.buckets[-1] else next(s for s in self.buckets if s >= batch)
+        size = self._bucket_holding(batch)
         self._ensure_warm(size)
         self._ready_this_thread()
         self._lock.acquire_shared()
@@ -278,7 +280,7 @@ class OrtEngine(BucketWarming):
     def fill(self, batch: int) -> None:
         """Put random inputs into the buffers of ``batch``'s bucket (before timing ``replay``)."""
         if self._io_binding:
-            size = self.buckets[-1] if batch > self.buckets[-1] else next(s for s in self.buckets if s >= batch)
+            size = self._bucket_holding(batch)
             self._ensure_warm(size)
             bucket = self._bound[size]
             feeds = random_feeds(self.signature.inputs, bucket.size, np.random.default_rng(1))

@@ -18,6 +18,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 
+from service.optimizer.shapes import UNKNOWN_PREFIX
+
 log = logging.getLogger(__name__)
 
 # Constants up to this many elements travel with their values (shape tensors, axes); larger ones only
@@ -74,7 +76,7 @@ def _dim_name(name: str, run: int) -> str | None:
     buffer {0} != {91}")."""
     if not name:
         return None
-    return f"{name}_run{run}" if name.startswith("unk__") else name
+    return f"{name}_run{run}" if name.startswith(UNKNOWN_PREFIX) else name
 
 
 def _weightless_model(graph: gs.Graph) -> onnx.ModelProto:
