@@ -23,10 +23,10 @@ import asyncio
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from service.errors import (
     BadRequestError,
@@ -48,6 +48,26 @@ TEXT_FIELDS = {"config": MAX_FORM_FIELD, "labels": MAX_LABELS_FIELD}
 MULTIPART_OVERHEAD = MIB  # boundaries, part headers and the config field on top of the file limit
 MIN_BODY_RATE = MIB
 """Bytes per second a body must keep up beyond ``request_timeout_s`` (see the module docstring)."""
+
+
+INLINE_BODY = "service.inline_body"
+"""The scope extension under which the HTTP server puts a body it read whole into a buffer of its own
+(``service.server.inline_body``): an ``InlineBodyHandle``."""
+
+
+class InlineBodyHandle(Protocol):
+    length: int
+    delivered: bool
+
+    async def view(self) -> memoryview | None:
+        """The whole body, read-only, without a copy; None when the client went away first."""
+        ...
+
+
+def inline_body_of(scope: dict[str, Any]) -> InlineBodyHandle | None:
+    """The request's body read whole by the server, where it was and nobody has read it yet."""
+    inline = scope.get("extensions", {}).get(INLINE_BODY)
+    return None if inline is None or inline.delivered else inline
 
 
 def _too_large(limit: int, what: str) -> PayloadTooLargeError:
@@ -103,30 +123,41 @@ def _body_timeout(request: Request, what: str, deadline_s: float) -> RequestBody
 
 
 async def read_body(
-    request: Request, limit: int, what: str = "request body", *, timeout_s: float | None = None
-) -> bytes:
+    request: Request, limit: int, what: str = "request body", *, timeout_s: float | None = None,
+    view_ok: bool = False,
+) -> bytes | memoryview:
     """The whole body (decompressed when ``Content-Encoding`` is gzip or deflate), at most ``limit``, under
-    the deadline of ``timeout_s``."""
+    the deadline of ``timeout_s``. ``view_ok``: a read-only view of the buffer the server read the body into
+    will do (``service.server.inline_body``: no copy), else ``bytes``."""
     encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate"):
         raise UnsupportedMediaTypeError(f"Content-Encoding {encoding[:32]!r} is not supported")
     declared = check_declared_length(request, limit, what)
     if timeout_s is None:
-        body = await _collect(request, limit, what)
+        body = await _collect(request, limit, what, view_ok)
     else:
         # One deadline over the whole read (not one per chunk: a 600 KB body arrives in ~10 chunks, and
         # each asyncio.timeout costs a timer-heap entry); nothing but the stream awaits inside it.
         deadline_s = body_deadline_s(timeout_s, declared, limit)
         try:
             async with asyncio.timeout(deadline_s):
-                body = await _collect(request, limit, what)
+                body = await _collect(request, limit, what, view_ok)
         except TimeoutError:
             raise _body_timeout(request, what, deadline_s) from None
     return body if encoding == "identity" else _inflate(body, limit, what)
 
 
-async def _collect(request: Request, limit: int, what: str) -> bytes:
-    """Every chunk of the stream joined, refused as soon as the running count passes ``limit``."""
+async def _collect(request: Request, limit: int, what: str, view_ok: bool = False) -> bytes | memoryview:
+    """Every chunk of the stream joined, refused as soon as the running count passes ``limit``; with
+    ``view_ok``, the view of a body the server took inline."""
+    inline = inline_body_of(request.scope) if view_ok else None
+    if inline is not None:
+        if inline.length > limit:
+            raise _too_large(limit, what)
+        view = await inline.view()
+        if view is None:
+            raise ClientDisconnect()
+        return view
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
@@ -139,7 +170,7 @@ async def _collect(request: Request, limit: int, what: str) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _inflate(data: bytes, limit: int, what: str) -> bytes:
+def _inflate(data: bytes | memoryview, limit: int, what: str) -> bytes:
     """Decompress gzip or zlib data, never producing more than ``limit`` bytes (zip bombs)."""
     inflater = zlib.decompressobj(wbits=47)  # 32 + 15: accept a gzip or a zlib header
     try:

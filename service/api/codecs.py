@@ -138,7 +138,7 @@ class V2Request:
     """output name -> k of the classification extension (top-k strings instead of the tensor)."""
 
 
-def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:
+def split_v2_body(body: bytes | memoryview, header_length: str | None) -> tuple[memoryview, memoryview]:
     """JSON header and binary tail, per ``Inference-Header-Content-Length``."""
     view = memoryview(body)
     if header_length is None:
@@ -155,7 +155,7 @@ def split_v2_body(body: bytes, header_length: str | None) -> tuple[memoryview, m
 
 
 def decode_v2_request(
-    body: bytes, header_length: str | None, signature: Signature, images_for: str | None = None
+    body: bytes | memoryview, header_length: str | None, signature: Signature, images_for: str | None = None
 ) -> V2Request:
     """Decode and check a V2 request: each tensor's declared shape is checked before its data is read.
     ``images_for``: the image input of an image model, which may also come as a BYTES tensor of encoded

@@ -101,7 +101,8 @@ async def handle_infer(request: Request, name: str, version: str | None) -> Resp
     """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
     async with Observed(request, "v2_infer") as obs:
         settings = settings_of(request)
-        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s)
+        body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s,
+                               view_ok=True)
         dataplane = dataplane_of(request)
         mv = dataplane.model_for_infer(name, version)
         obs.resolved(mv)

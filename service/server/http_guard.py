@@ -150,6 +150,15 @@ def response_bytes(refusal: Refusal, default_headers: list[tuple[bytes, bytes]])
     return b"".join(lines) + body
 
 
+def _head_end(data: bytes | bytearray | memoryview, start: int, stop: int) -> int:
+    """Where the head that ``data[start:stop]`` holds ends (just past its blank line), else ``stop``."""
+    if isinstance(data, (bytes, bytearray)):
+        end = data.find(b"\r\n\r\n", start, stop)
+        if end != -1:
+            return end + 4
+    return stop
+
+
 class _Guard:
     """What both parsers share: the head budget and deadline, the idle timer of a fresh connection, the
     deadline of a body nobody reads, and writing refusals. Mixed in front of a uvicorn protocol, whose
@@ -216,26 +225,36 @@ class _Guard:
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes | memoryview) -> None:
+        self._received(data, len(data))
+
+    def _received(self, data: bytes | bytearray | memoryview, size: int) -> None:
+        """The first ``size`` bytes of ``data`` arrived."""
         if self._refused:
             return
         self._unset_keepalive_if_required()  # type: ignore[attr-defined]
-        while data:
+        start = 0
+        while start < size:
             if not self._reading_head():
-                self._feed(data)
-                break
+                start += self._receive_body(memoryview(data)[start:size] if start or size < len(data) else data)
+                continue
             room = self.limits.max_head_bytes - self._head_bytes
             if room <= 0:
                 self._refuse(head_too_large(self.limits))
                 return
-            if len(data) <= room:
-                part, data = data, b""
-            else:  # memoryview slices: a read holds the head and up to ~256 KiB of body, bytes slices copy it
-                view = memoryview(data)
-                part, data = view[:room], view[room:]
-            self._head_bytes += len(part)
-            if not self._feed(part):
+            # the head alone where its end is in this read (its body may then bypass the parser); memoryview
+            # slices: a read holds the head and up to ~256 KiB of body, bytes slices would copy it
+            stop = _head_end(data, start, min(size, start + room))
+            self._head_bytes += stop - start
+            if not self._feed(data if start == 0 and stop == len(data) else memoryview(data)[start:stop]):
                 return
+            start = stop
         self._sync_timers()
+
+    def _receive_body(self, data: bytes | bytearray | memoryview) -> int:
+        """Bytes of a body (and maybe what follows it): returns how many were taken. Here the parser takes them
+        all (a pipelined head after the body is counted from the next read)."""
+        self._feed(data)
+        return len(data)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -332,9 +351,11 @@ class _StopParsing(Exception):
 
 
 if HttpToolsProtocol is not None:
+    from .inline_body import InlineReading
 
-    class HttpToolsGuard(_Guard, HttpToolsProtocol):
-        """uvicorn's httptools protocol under the limits: fields and URL counted in llhttp's callbacks."""
+    class HttpToolsGuard(InlineReading, _Guard, HttpToolsProtocol, asyncio.BufferedProtocol):
+        """uvicorn's httptools protocol under the limits: fields and URL counted in llhttp's callbacks. Read as
+        a buffered protocol: bodies taken inline (``inline_body``) are read from the socket into their buffer."""
 
         def __init__(
             self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
@@ -344,6 +365,7 @@ if HttpToolsProtocol is not None:
             self._init_guard(config)
             self._in_body = False
             self._callback_refusal: Refusal | None = None
+            self._init_inline()
 
         def _reading_head(self) -> bool:
             return not self._in_body
@@ -391,11 +413,15 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             self._head_complete()
             self._in_body = True
+            previous = self.cycle
             super().on_headers_complete()
+            if self.cycle is not previous and not self.parser.should_upgrade():
+                self._take_inline(self.cycle, self.headers)
 
         def on_message_complete(self) -> None:
             self._in_body = False
             super().on_message_complete()
+
 
 
 class _BoundedConnection(h11.Connection):

@@ -31,7 +31,7 @@ from service.grpc.server import GrpcBindError, GrpcServer
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
 from service.server.http_guard import GuardedConfig
 from service.server.process import configure_process
-from service.server.transport import GatheredWritesProtocol
+from service.server.transport import ServedProtocol
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service.server")
@@ -108,7 +108,7 @@ def uvicorn_config(
     return GuardedConfig(
         app,
         on_refused=on_refused,
-        http=GatheredWritesProtocol,
+        http=ServedProtocol,
         ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP, under the same limits
         host=settings.host,
         port=settings.port,

@@ -92,3 +92,44 @@ class Gathering:
 
 class GatheredWritesProtocol(Gathering, GuardedProtocol):  # type: ignore[valid-type, misc]
     """uvicorn's HTTP protocol (httptools where installed), guarded, writing through ``GatheredWrites``."""
+
+
+class BufferedReads(asyncio.BufferedProtocol):
+    """The served protocol as the event loop sees it: a buffered protocol, so that reads of a request body the
+    protocol takes whole land in that body's buffer (``inline_body``), never in a ``bytes`` of the loop's.
+
+    A proxy, because uvloop reads into a protocol's buffer only when the protocol is not an
+    ``asyncio.Protocol``, and uvicorn's protocols are. Every call the transport makes is handed to the
+    ``GatheredWritesProtocol`` inside, which uvicorn tracks and shuts down as its connection."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.inner = GatheredWritesProtocol(*args, **kwargs)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[no-any-return]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.inner.get_buffer(sizehint)  # type: ignore[no-any-return]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.inner.buffer_updated(nbytes)
+
+
+ServedProtocol: type[asyncio.BaseProtocol] = (
+    BufferedReads if hasattr(GatheredWritesProtocol, "get_buffer") else GatheredWritesProtocol
+)
+"""What uvicorn serves HTTP with: buffered reads over httptools, else (h11) the protocol as it is."""

@@ -84,6 +84,18 @@ def slow_cnn(seed: int = 0, width: int = 48, size: int = 32, layers: int = 3) ->
     return _model(graph).SerializeToString()
 
 
+def doubler(shape: tuple[int, ...] = (3, 224, 224)) -> bytes:
+    """y = 2x over [N, *shape] float32: every input byte shows in the answer (the demo model's 600 KB a sample
+    by default), for tests of how bodies travel."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"])], "doubler",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *shape])], [two],
+    )
+    return _model(graph).SerializeToString()
+
+
 def two_inputs() -> bytes:
     """y = a * 2 + b, inputs a, b [N,4] float32."""
     two = numpy_helper.from_array(np.full((4,), 2.0, np.float32), "two")

@@ -58,6 +58,43 @@ def read_response(sock: socket.socket, timeout: float = 10.0) -> RawResponse | N
     return RawResponse(int(status_line.split(" ", 2)[1]), headers, rest[:length])
 
 
+class ResponseReader:
+    """Responses read one after another from one connection, bytes past a response kept for the next (a
+    pipelined answer may arrive in the same read as the end of the one before)."""
+
+    def __init__(self, sock: socket.socket, timeout: float = 10.0) -> None:
+        self.sock, self.timeout = sock, timeout
+        self.buffer = b""
+
+    def _more(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def next(self) -> RawResponse | None:
+        """The next response, or None when the connection ended before a whole one arrived."""
+        self.sock.settimeout(self.timeout)
+        try:
+            while b"\r\n\r\n" not in self.buffer:
+                if not self._more():
+                    return None
+            head, _, rest = self.buffer.partition(b"\r\n\r\n")
+            status_line, *lines = head.decode("latin-1").split("\r\n")
+            headers = {}
+            for line in lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", "0"))
+            while len(rest) < length:
+                if not self._more():
+                    return None
+                rest = self.buffer.partition(b"\r\n\r\n")[2]
+        except (ConnectionResetError, TimeoutError):
+            return None
+        self.buffer = rest[length:]
+        return RawResponse(int(status_line.split(" ", 2)[1]), headers, rest[:length])
+
+
 def closed_within(sock: socket.socket, seconds: float) -> bool:
     """The server closes the connection within ``seconds`` (whatever else it still sends is read and dropped)."""
     deadline = time.monotonic() + seconds

@@ -7,9 +7,10 @@ import socket
 
 import httpx
 import uvicorn
+from uvicorn.server import ServerState
 
 from service.server.run import uvicorn_config
-from service.server.transport import GatheredWrites, GatheredWritesProtocol
+from service.server.transport import GatheredWrites, GatheredWritesProtocol, ServedProtocol
 from service.settings import ServiceSettings
 
 
@@ -113,7 +114,10 @@ def test_other_transport_calls_pass_through():
 
 
 def test_the_server_always_writes_through_the_gathering_protocol():
-    assert uvicorn_config(ServiceSettings(_env_file=None), object()).http is GatheredWritesProtocol
+    served = uvicorn_config(ServiceSettings(_env_file=None), object()).http
+    assert served is ServedProtocol
+    inner = served(config=uvicorn.Config(object()), server_state=ServerState(), app_state={})
+    assert isinstance(getattr(inner, "inner", inner), GatheredWritesProtocol)
 
 
 def test_a_real_uvicorn_answers_through_it(monkeypatch):

@@ -1,0 +1,166 @@
+"""Inference bodies taken whole by the HTTP protocol (``service.server.inline_body``): which bodies qualify, the
+flow control of an ``InlineBody`` on a stand-in cycle, and a real uvicorn (uvloop) serving ``ServedProtocol``
+whose reads land in the body's buffer and reach the application without a copy."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+import uvloop
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+
+from service.api.bodies import inline_body_of
+from service.server.inline_body import INLINE_BODY_MAX, INLINE_PATHS, InlineBody, inline_length
+from service.server.transport import ServedProtocol
+
+
+@pytest.mark.parametrize(("headers", "length"), [
+    ([(b"content-length", b"600000")], 600_000),
+    ([(b"host", b"t"), (b"content-length", b" 12 ")], 12),
+    ([(b"content-length", b"0")], None),
+    ([(b"content-length", str(INLINE_BODY_MAX + 1).encode())], None),
+    ([(b"content-length", b"10"), (b"transfer-encoding", b"chunked")], None),
+    ([(b"transfer-encoding", b"chunked")], None),
+    ([(b"content-length", b"-1")], None),
+    ([], None),
+])
+def test_which_bodies_are_taken_whole(headers: list[tuple[bytes, bytes]], length: int | None) -> None:
+    assert inline_length(headers) == length
+
+
+@pytest.mark.parametrize(("path", "taken"), [
+    ("/v2/models/m/infer", True), ("/v2/models/m/versions/2/infer", True), ("/predict", True),
+    ("/v1/models/m", False), ("/v2/models/m/infer/x", False), ("/v2/repository/models/m/load", False),
+])
+def test_only_inference_routes_take_bodies_whole(path: str, taken: bool) -> None:
+    assert (INLINE_PATHS.fullmatch(path) is not None) == taken
+
+
+class _Flow:
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def _cycle() -> Any:
+    return SimpleNamespace(scope={"path": "/predict"}, flow=_Flow(), response_complete=False, disconnected=False,
+                           waiting_for_100_continue=False, message_event=asyncio.Event(), receive=None)
+
+
+def test_reading_pauses_until_the_application_asks_then_the_body_arrives_whole() -> None:
+    data = np.random.default_rng(0).integers(0, 256, 3 * HIGH_WATER_LIMIT, np.uint8).tobytes()
+    cycle = _cycle()
+    body = InlineBody(cycle, len(data))
+    assert cycle.receive == body.receive and inline_body_of(cycle.scope) is body
+    assert body.add(data[:HIGH_WATER_LIMIT]) == HIGH_WATER_LIMIT and not cycle.flow.paused
+    window = body.window()
+    window[:HIGH_WATER_LIMIT] = data[HIGH_WATER_LIMIT:2 * HIGH_WATER_LIMIT]  # a read straight into the buffer
+    body.received(HIGH_WATER_LIMIT)
+    assert cycle.flow.paused, "more than HIGH_WATER_LIMIT kept before the application asked"
+
+    async def application() -> memoryview | None:
+        waiting = asyncio.ensure_future(body.view())
+        await asyncio.sleep(0)
+        assert not cycle.flow.paused, "asking for the body resumes reading"
+        assert body.add(data[2 * HIGH_WATER_LIMIT:] + b"next request") == HIGH_WATER_LIMIT
+        cycle.message_event.set()  # the protocol's message-complete
+        return await waiting
+
+    view = asyncio.run(application())
+    assert view is not None and view.readonly and bytes(view) == data
+    assert inline_body_of(cycle.scope) is None, "a body is taken once"
+
+
+def test_a_body_answered_unread_is_dropped_without_pausing() -> None:
+    cycle = _cycle()
+    body = InlineBody(cycle, 4 * HIGH_WATER_LIMIT)
+    cycle.response_complete = True
+    assert body.window() is None
+    assert body.add(bytes(4 * HIGH_WATER_LIMIT)) == 4 * HIGH_WATER_LIMIT
+    assert body.complete and not cycle.flow.paused
+
+
+def test_a_client_gone_before_its_body_ends_is_a_disconnect() -> None:
+    cycle = _cycle()
+    body = InlineBody(cycle, 10)
+
+    async def application() -> tuple[dict[str, Any], memoryview | None]:
+        waiting = asyncio.ensure_future(body.receive())
+        await asyncio.sleep(0)
+        cycle.disconnected = True
+        cycle.message_event.set()
+        return await waiting, await body.view()
+
+    message, view = asyncio.run(application())
+    assert message == {"type": "http.disconnect"} and view is None
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_real_uvicorn_reads_an_inference_body_into_its_buffer(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ServedProtocol on either event loop: a 2 MB /predict body reaches the application as a view of the
+    buffer the socket was read into (only the part in the head's read is copied there), equal; another path
+    gets ASGI's bytes, as before."""
+    seen: list[tuple[str, bool, int]] = []
+    copied: list[int] = []
+    real_add = InlineBody.add
+
+    def counted_add(self: InlineBody, data: bytes | memoryview) -> int:
+        copied.append(len(data))
+        return real_add(self, data)
+
+    monkeypatch.setattr(InlineBody, "add", counted_add)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        inline = inline_body_of(scope)
+        if inline is not None:
+            view = await inline.view()
+            assert view is not None
+            body = bytes(view)
+        else:
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        seen.append((scope["path"], inline is not None, len(body)))
+        reply = np.frombuffer(body, np.uint8).sum(dtype=np.uint64).tobytes()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(reply)).encode())]})
+        await send({"type": "http.response.body", "body": reply})
+
+    data = np.random.default_rng(1).integers(0, 256, 2_000_000, np.uint8)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=ServedProtocol, log_level="warning", lifespan="off"))
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for path in ("/predict", "/v1/models/m", "/predict"):
+                r = await client.post(path, content=data.tobytes())
+                assert r.status_code == 200
+                assert np.frombuffer(r.content, np.uint64)[0] == data.sum(dtype=np.uint64)
+        server.should_exit = True
+        await serving
+
+    run(main())
+    assert seen == [("/predict", True, 2_000_000), ("/v1/models/m", False, 2_000_000), ("/predict", True, 2_000_000)]
+    assert sum(copied) <= 2 * 256 * 1024, f"{sum(copied)} bytes copied into the buffers, not read into them"
