@@ -37,13 +37,14 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
-from bench.server_cpu import make_server, upload_light_model, wait_served_by_every_worker  # noqa: E402
-from bench.service import Server, binary_payload, running  # noqa: E402
+from bench.http_overhead import TOKEN  # noqa: E402
+from bench.server_cpu import upload_light_model, wait_served_by_every_worker  # noqa: E402
+from bench.service import Server, binary_payload, running, service_server  # noqa: E402
 
 STAGES_DIR = ROOT / "bench" / "stages"
 WARM_REQUESTS = 50
-MODES = {"one": "service", "workers": "service_workers"}
-"""Mode -> bench/server_cpu.py's server variant (workers: 2 workers and the engine process)."""
+MODES = {"one": {}, "workers": {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.5"}}
+"""Mode -> the server's settings (bench/server_cpu.py's: workers are 2 workers and the engine process)."""
 _TRIGGER = re.compile(r"^desc: Trigger: Client Request: (.*)$", re.MULTILINE)
 _TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
 
@@ -64,12 +65,13 @@ def callgrind_control(option: str, pids: list[int]) -> None:
         subprocess.run(["callgrind_control", option, str(pid)], capture_output=True, check=False)
 
 
-def count(mode: str, work: Path, requests: int, library: Path | None) -> dict[str, Any]:
-    """Run the server of ``mode`` under callgrind (probed when ``library``), send lone requests and return
-    the instructions per request by (process, stage)."""
+def count(mode: str, work: Path, requests: int, library: Path | None, tree: Path) -> dict[str, Any]:
+    """Run the server of ``mode`` (from the checkout ``tree``) under callgrind (probed when ``library``), send
+    lone requests and return the instructions per request by (process, stage)."""
     out_dir = work / f"{mode}-{'probed' if library else 'unprobed'}"
     out_dir.mkdir(parents=True)
-    server = make_server(MODES[mode], out_dir)
+    server = service_server("service", out_dir / "models", "cpu", out_dir, tree=tree, SERVICE_DEMO_MODEL="false",
+                            SERVICE_ADMIN_TOKEN=TOKEN, **MODES[mode])
     server.command = ["valgrind", "--tool=callgrind", "--trace-children=yes", "--instr-atstart=no",
                       "--dump-instr=no", "--dump-line=no", f"--callgrind-out-file={out_dir}/cg-%p.out",
                       *server.command]
@@ -97,20 +99,22 @@ def count(mode: str, work: Path, requests: int, library: Path | None) -> dict[st
                     raise RuntimeError(f"{mode}: {reply.status_code} {reply.text[:200]}")
         callgrind_control("--instr=off", pids)
         callgrind_control("--dump", pids)
-        roles = process_roles(server, pids)
+        roles = process_roles(server, pids, mode)
     return {"roles": roles, "stages": read_dumps(out_dir, roles, requests)}
 
 
-def process_roles(server: Server, pids: list[int]) -> dict[int, str]:
-    """pid -> ``server`` (one process), ``supervisor``, ``worker`` or ``engine process``."""
+def process_roles(server: Server, pids: list[int], mode: str) -> dict[int, str]:
+    """pid -> ``server`` (one process), ``supervisor``, ``worker``, ``engine process`` or ``helper`` (such as
+    multiprocessing's resource tracker)."""
     from bench import cpu_usage
 
-    if len(pids) == 1:
-        return {pids[0]: "server"}
+    if mode == "one":
+        return {pid: "server" if pid == server.pid else "helper" for pid in pids}
     snap = cpu_usage.snapshot(server.pid)
     engine = snap.engine_pid if snap is not None else None
-    return {pid: "supervisor" if pid == server.pid else "engine process" if pid == engine else "worker"
-            for pid in pids}
+    workers = {child.pid for child in psutil.Process(server.pid).children()} - {engine}
+    return {pid: "supervisor" if pid == server.pid else "engine process" if pid == engine else
+            "worker" if pid in workers else "helper" for pid in pids}
 
 
 def read_dumps(out_dir: Path, roles: dict[int, str], requests: int) -> dict[str, dict[str, float]]:
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     parser.add_argument("--out", type=Path, help="result file (default bench/results/request-stages-<date>.json)")
     parser.add_argument("--keep", type=Path, help="keep callgrind's dumps and the server logs in this new folder")
+    parser.add_argument("--tree", type=Path, default=ROOT,
+                        help="the checkout whose server is counted (another commit's: a before/after pair)")
     args = parser.parse_args(argv)
     unknown = set(args.modes) - set(MODES)
     if unknown:
@@ -165,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         library = build_marks(work)
         for mode in args.modes:
-            results[mode] = {"probed": count(mode, work, args.requests, library),
-                             "unprobed": count(mode, work, args.requests, None)}
+            results[mode] = {"probed": count(mode, work, args.requests, library, args.tree),
+                             "unprobed": count(mode, work, args.requests, None, args.tree)}
     rows = table_rows(results)
     document = {
         "model": "GlobalAveragePool over [1,3,224,224] (600 KB binary KServe V2 input), CPU provider",
         "client": "httpx, one request at a time",
         "settings": {"requests": args.requests, "warm_requests": WARM_REQUESTS, "modes": args.modes},
+        "tree_commit": common.git_commit(args.tree),
         "stages": {mode: {kind: r["stages"] for kind, r in result.items()} for mode, result in results.items()},
         "rows": rows,
     }
