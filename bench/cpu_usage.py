@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -33,10 +34,14 @@ class Snapshot:
     """CPU seconds the whole host spent outside idle and I/O wait, all cores together."""
 
 
+ENGINE_SOCKET = re.compile(r"engine(?:-\d+)?\.sock$")
+"""The engine process's Unix socket: ``engine-<slot>.sock`` (service.server.engines), ``engine.sock`` before."""
+
+
 def _is_engine_process(proc: Any) -> bool:
-    """The engine process is the one listening on the Unix socket ``engine.sock`` (service.server.supervisor)."""
+    """An engine process is one listening on an engine socket (``ENGINE_SOCKET``)."""
     try:
-        return any(str(c.laddr).endswith("engine.sock") for c in proc.net_connections(kind="unix"))
+        return any(ENGINE_SOCKET.search(str(c.laddr)) for c in proc.net_connections(kind="unix"))
     except (psutil.Error, OSError):
         return False
 

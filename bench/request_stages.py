@@ -42,6 +42,8 @@ from bench.server_cpu import upload_light_model, wait_served_by_every_worker  # 
 from bench.service import Server, binary_payload, running, service_server  # noqa: E402
 
 STAGES_DIR = ROOT / "bench" / "stages"
+OUTSIDE = "outside"
+"""What ran while no probed stage was open (bench/stages/probes.py's label)."""
 WARM_REQUESTS = 50
 MODES = {"one": {}, "workers": {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.5"}}
 """Mode -> the server's settings (bench/server_cpu.py's: workers are 2 workers and the engine process)."""
@@ -119,8 +121,9 @@ def process_roles(server: Server, pids: list[int], mode: str) -> dict[int, str]:
 
 def read_dumps(out_dir: Path, roles: dict[int, str], requests: int) -> dict[str, dict[str, float]]:
     """role -> stage -> instructions per request, summed over the role's processes and their dumps (a dump
-    not made by a probe, such as the last one, counts as ``outside``)."""
-    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    not made by a probe, such as the last one, counts as ``outside``). A process that ran the engine host's
+    stages is the engine process, whatever its role by socket."""
+    by_pid: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for path in out_dir.glob("cg-*.out*"):
         pid = int(path.name.split("-", 1)[1].split(".", 1)[0])
         if pid not in roles:
@@ -130,25 +133,33 @@ def read_dumps(out_dir: Path, roles: dict[int, str], requests: int) -> dict[str,
         if found is None or int(found[1]) == 0:
             continue
         trigger = _TRIGGER.search(text)
-        stage = trigger[1].strip() if trigger else "outside"
-        totals[roles[pid]][stage] += int(found[1]) / requests
+        stage = trigger[1].strip() if trigger else OUTSIDE
+        by_pid[pid][stage] += int(found[1]) / requests
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for pid, stages in by_pid.items():
+        role = "engine process" if any(stage.startswith("host:") for stage in stages) else roles[pid]
+        for stage, value in stages.items():
+            totals[role][stage] += value
     return {role: dict(stages) for role, stages in totals.items()}
 
 
 def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stages by process and mode, then per mode: the request's stages (``outside`` left out: with workers it
+    holds the timers and store syncs that run per wall second, which callgrind's slowness multiplies), all
+    that was counted probed, and unprobed (the same background included)."""
     rows = []
     for mode, result in results.items():
         probed, unprobed = result["probed"]["stages"], result["unprobed"]["stages"]
-        probed_total = sum(sum(stages.values()) for stages in probed.values())
-        unprobed_total = sum(sum(stages.values()) for stages in unprobed.values())
+        request_total = sum(v for stages in probed.values() for stage, v in stages.items() if stage != OUTSIDE)
         for role, stages in sorted(probed.items()):
             for stage, instructions in sorted(stages.items(), key=lambda item: -item[1]):
                 rows.append({"mode": mode, "process": role, "stage": stage, "k_instructions": instructions / 1e3,
-                             "share": instructions / probed_total})
-        rows.append({"mode": mode, "process": "all", "stage": "total, probed", "k_instructions": probed_total / 1e3,
-                     "share": 1.0})
-        rows.append({"mode": mode, "process": "all", "stage": "total, unprobed", "k_instructions":
-                     unprobed_total / 1e3, "share": unprobed_total / probed_total})
+                             "share": None if stage == OUTSIDE else instructions / request_total})
+        totals = {"the request's stages, probed": request_total,
+                  "all counted, probed": sum(sum(stages.values()) for stages in probed.values()),
+                  "all counted, unprobed": sum(sum(stages.values()) for stages in unprobed.values())}
+        rows += [{"mode": mode, "process": "all", "stage": name, "k_instructions": value / 1e3, "share": None}
+                 for name, value in totals.items()]
     return rows
 
 
