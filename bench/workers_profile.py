@@ -65,13 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--env", action="append", default=[], metavar="SERVICE_X=Y",
+                        help="a setting for the server (e.g. SERVICE_DEVICES=0,0: two engine processes on GPU 0)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     head = common.header(packages=("numpy", "onnxruntime", "uvicorn", "httptools", "uvloop"))
     with tempfile.TemporaryDirectory(prefix="bench-workers-profile-") as tmp:
         work = Path(tmp)
+        settings = dict(item.split("=", 1) for item in args.env)
         server = service_server("service_workers", work / "models", args.device, work,
-                                SERVICE_WORKERS=str(args.workers))
+                                SERVICE_WORKERS=str(args.workers), **settings)
         with running(server, 900):
             meta = httpx.get(f"{server.url}/v2/models/{DEMO_MODEL}", timeout=10).json()
             out_count = math.prod(meta["outputs"][0]["shape"][1:])
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = snap.engine_pid if snap is not None else None
             workers = [c.pid for c in psutil.Process(server.pid).children()
                        if c.pid != engine and "resource_tracker" not in " ".join(c.cmdline())]
-            targets = {"engine_process": engine, "worker": workers[0] if workers else None}
+            targets = {"engine_process": engine, "worker": workers[0] if workers else None}  # the first engine
             spies = {name: subprocess.Popen(
                 ["py-spy", "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", "250",
                  "--idle", "--threads", "--nonblocking", "--format", "raw", "--output", str(work / f"{name}.txt")],
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = "engine process" if pid == engine else "supervisor" if pid == server.pid else f"worker {pid}"
                 per_process[label] = round((after.cpu_s[pid] - snap.cpu_s[pid]) / wall, 3)
     document = {
-        "model": DEMO_MODEL, "device": args.device, "workers": args.workers, "concurrency": args.concurrency,
+        "model": DEMO_MODEL, "device": args.device, "settings": settings, "workers": args.workers,
+        "concurrency": args.concurrency,
         "seconds": args.seconds, "throughput": point.requests / point.seconds if point.seconds else None,
         "errors": point.errors, "p50_ms": common.percentile(point.latencies_ms, 50) if point.latencies_ms else None,
         "usage": usage, "busy_cores_by_process": per_process, "profiles": profiles,
