@@ -116,7 +116,11 @@ def test_other_transport_calls_pass_through():
 def test_the_server_always_writes_through_the_gathering_protocol():
     served = uvicorn_config(ServiceSettings(_env_file=None), object()).http
     assert served is ServedProtocol
-    inner = served(config=uvicorn.Config(object()), server_state=ServerState(), app_state={})
+    loop = asyncio.new_event_loop()
+    try:
+        inner = served(config=uvicorn.Config(object()), server_state=ServerState(), app_state={}, _loop=loop)
+    finally:
+        loop.close()
     assert isinstance(getattr(inner, "inner", inner), GatheredWritesProtocol)
 
 
