@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = snap.engine_pid if snap is not None else None
             workers = [c.pid for c in psutil.Process(server.pid).children()
                        if c.pid != engine and "resource_tracker" not in " ".join(c.cmdline())]
-            targets = {"engine_process": engine, "worker": workers[0] if workers else None}  # the first engine
+            targets = {"engine_process": engine, "worker": workers[0] if workers else None}
             spies = {name: subprocess.Popen(
                 ["py-spy", "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", "250",
                  "--idle", "--threads", "--nonblocking", "--format", "raw", "--output", str(work / f"{name}.txt")],

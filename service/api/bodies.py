@@ -56,7 +56,6 @@ INLINE_BODY = "service.inline_body"
 
 
 class InlineBodyHandle(Protocol):
-    length: int
     delivered: bool
 
     async def view(self) -> memoryview | None:
@@ -149,11 +148,10 @@ async def read_body(
 
 async def _collect(request: Request, limit: int, what: str, view_ok: bool = False) -> bytes | memoryview:
     """Every chunk of the stream joined, refused as soon as the running count passes ``limit``; with
-    ``view_ok``, the view of a body the server took inline."""
+    ``view_ok``, the view of a body the server took inline (its ``Content-Length``, checked against ``limit``
+    by ``read_body``)."""
     inline = inline_body_of(request.scope) if view_ok else None
     if inline is not None:
-        if inline.length > limit:
-            raise _too_large(limit, what)
         view = await inline.view()
         if view is None:
             raise ClientDisconnect()

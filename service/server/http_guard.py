@@ -353,9 +353,10 @@ class _StopParsing(Exception):
 if HttpToolsProtocol is not None:
     from .inline_body import InlineReading
 
-    class HttpToolsGuard(InlineReading, _Guard, HttpToolsProtocol, asyncio.BufferedProtocol):
-        """uvicorn's httptools protocol under the limits: fields and URL counted in llhttp's callbacks. Read as
-        a buffered protocol: bodies taken inline (``inline_body``) are read from the socket into their buffer."""
+    class HttpToolsGuard(InlineReading, _Guard, HttpToolsProtocol):
+        """uvicorn's httptools protocol under the limits: fields and URL counted in llhttp's callbacks. It also
+        reads as a buffered protocol (``get_buffer``/``buffer_updated``, through ``transport.BufferedReads``):
+        bodies taken inline (``inline_body``) are read from the socket into their buffer."""
 
         def __init__(
             self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
@@ -421,7 +422,6 @@ if HttpToolsProtocol is not None:
         def on_message_complete(self) -> None:
             self._in_body = False
             super().on_message_complete()
-
 
 
 class _BoundedConnection(h11.Connection):

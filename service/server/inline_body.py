@@ -3,12 +3,13 @@
 Why: through uvicorn's httptools protocol a 600 KB inference body was copied five times before the decoder
 saw it (uvloop's read, httptools' body callback, uvicorn's ``bytearray`` accumulation, ``bytes()`` of it in
 each ASGI message, the route's join of about ten 64 KiB messages), and each 64 KiB paused and resumed the
-socket: under callgrind, 3.0 M of the 4.5 M instructions of a lone request (bench/request_stages.py). A body
-with a ``Content-Length`` of at most ``INLINE_BODY_MAX`` and no ``Transfer-Encoding`` is instead taken by
-``http_guard.HttpToolsGuard`` straight from the socket reads, past the parser: the reads are kept as they
-come and joined once, when the application asks for the body (a body that arrives in one read is not copied
-at all). The application gets a single ``http.request`` message with the whole body; later ``receive`` calls
-are uvicorn's own (they wait for the disconnect, as before).
+socket: under callgrind, 3.0 M of the 4.5 M instructions of a lone request (bench/request_stages.py). The
+body of an inference request (``INLINE_PATHS``) with a ``Content-Length`` of at most ``INLINE_BODY_MAX`` and
+no ``Transfer-Encoding`` is instead taken by ``http_guard.HttpToolsGuard`` past the parser: the socket reads
+it straight into one buffer of its length (``InlineReading``, served through ``transport.BufferedReads``;
+only the part that came in the head's read is copied there). The KServe route decodes a read-only view of that
+buffer (``service.api.bodies.read_body(view_ok=True)``); any other application gets one ``http.request``
+message with the whole body; later ``receive`` calls are uvicorn's own (they wait for the disconnect).
 
 Bounds, as uvicorn's own flow control: until the application first asks for the body, at most
 ``HIGH_WATER_LIMIT`` bytes are kept and reading is paused beyond; once it has asked, the body is read whole,
@@ -59,7 +60,7 @@ class InlineBody:
 
     Reads land in ``buffer`` (uninitialised memory of the declared length): straight from the socket where
     the protocol reads into ``window()``, else copied by ``add``. The application gets it as one ASGI message
-    (``receive``: a copy, as ASGI's ``bytes``) or, through ``body_view``, as a read-only view (no copy)."""
+    (``receive``: a copy, as ASGI's ``bytes``) or, through ``view``, as a read-only view (no copy)."""
 
     __slots__ = ("buffer", "cycle", "delivered", "filled", "length", "wanted")
 

@@ -4,14 +4,18 @@ name."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
+import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import uvicorn
 
 from service.api.app import create_app
 from service.settings import ServiceSettings
@@ -69,6 +73,25 @@ async def serve_app(settings: ServiceSettings) -> AsyncIterator[httpx.AsyncClien
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
             client.app = app  # type: ignore[attr-defined]
             yield client
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_serving(app: Any, http: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A real uvicorn serving the ASGI ``app`` with the HTTP protocol class ``http`` on a loopback socket, and a
+    client of it; the server stops on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=http, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await serving
 
 
 async def upload(

@@ -33,29 +33,7 @@ def send_quietly(sock: socket.socket, data: bytes) -> bool:
 
 def read_response(sock: socket.socket, timeout: float = 10.0) -> RawResponse | None:
     """One response, or None when the connection ended before a whole one arrived."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return None
-            data += chunk
-        head, _, rest = data.partition(b"\r\n\r\n")
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        length = int(headers.get("content-length", "0"))
-        while len(rest) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return None
-            rest += chunk
-    except (ConnectionResetError, TimeoutError):
-        return None
-    return RawResponse(int(status_line.split(" ", 2)[1]), headers, rest[:length])
+    return ResponseReader(sock, timeout).next()
 
 
 class ResponseReader:

@@ -179,7 +179,8 @@ def test_unparsable_and_smuggling_requests_get_a_json_400(server: Server, reques
     assert _live_s(server) < 0.5
 
 
-@pytest.mark.parametrize(("path", "headers"), [("/predict", {}), ("/v1/models/m", AUTH)], ids=["predict", "upload"])
+@pytest.mark.parametrize(("path", "headers"), [("/predict", {}), ("/v2/models/m/infer", {}), ("/v1/models/m", AUTH)],
+                         ids=["predict", "v2-infer", "upload"])
 def test_a_trickled_body_is_cut_at_its_deadline(server: Server, path: str, headers: dict[str, str]) -> None:
     """600 KB declared, sent at 20 bytes/s: 408 at the deadline (request timeout + 1 s per MiB), and the
     server answers others meanwhile."""

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
-import httpx
 import uvicorn
+from inprocess import uvicorn_serving
 from uvicorn.server import ServerState
 
 from service.server.run import uvicorn_config
@@ -156,24 +155,13 @@ def test_a_real_uvicorn_answers_through_it(monkeypatch):
                     "headers": [(b"content-length", str(len(reply)).encode())]})
         await send({"type": "http.response.body", "body": reply})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, http=GatheredWritesProtocol, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-
     async def main():
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        async with uvicorn_serving(app, GatheredWritesProtocol) as client:
             for _ in range(3):  # a kept-alive connection answers one request after another
                 r = await client.post("/", content=b"abc")
                 assert r.status_code == 200 and r.content == b"cba" * 1000
             streamed = await client.get("/stream")
             assert streamed.content == b"0;1;2;end"
-        server.should_exit = True
-        await serving
 
     asyncio.run(main())
     assert 2 in flushed  # a response's head and body went out together

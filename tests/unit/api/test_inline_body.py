@@ -5,15 +5,13 @@ whose reads land in the body's buffer and reach the application without a copy."
 from __future__ import annotations
 
 import asyncio
-import socket
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
-import uvicorn
 import uvloop
+from inprocess import uvicorn_serving
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from service.api.bodies import inline_body_of
@@ -144,22 +142,13 @@ def test_a_real_uvicorn_reads_an_inference_body_into_its_buffer(run: Any, monkey
         await send({"type": "http.response.body", "body": reply})
 
     data = np.random.default_rng(1).integers(0, 256, 2_000_000, np.uint8)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, http=ServedProtocol, log_level="warning", lifespan="off"))
 
     async def main() -> None:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        async with uvicorn_serving(app, ServedProtocol) as client:
             for path in ("/predict", "/v1/models/m", "/predict"):
                 r = await client.post(path, content=data.tobytes())
                 assert r.status_code == 200
                 assert np.frombuffer(r.content, np.uint64)[0] == data.sum(dtype=np.uint64)
-        server.should_exit = True
-        await serving
 
     run(main())
     assert seen == [("/predict", True, 2_000_000), ("/v1/models/m", False, 2_000_000), ("/predict", True, 2_000_000)]
