@@ -1,11 +1,16 @@
 """ONNX Runtime's C/C++ API headers for building the custom-op library, fetched at build time.
 
-The onnxruntime wheels ship no headers, so they come from Debian's ``libonnxruntime-dev`` package
-(pinned below), downloaded with the machine's own apt (``apt-get download``, into a private apt state
-under the build folder: nothing is installed) and unpacked with ``dpkg -x``. The mirror is the one the
-machine's apt sources already use; only the suite differs. Nothing third-party is committed: the headers
-live in ``kernels/build/ort-include`` (ignored by git), and a machine without network (the GPU machine)
-gets that folder carried along, or ``--headers DIR`` / ``$ORT_INCLUDE_DIR`` names another copy.
+The onnxruntime wheels ship no headers. They come from one pinned file: Debian's ``libonnxruntime-dev``
+1.21.0+dfsg-1 package (``FILENAME``, in Debian 13 "trixie"), downloaded over HTTP with ``urllib`` and
+verified by its size and sha256 (``SIZE``, ``SHA256``: the values in trixie's signed package index) before
+anything in it is read, then unpacked in Python (``ar`` + ``tarfile``; no apt, no dpkg, so any Linux or
+macOS machine can do it). Only the regular files under ``usr/include/onnxruntime`` are written. Nothing is
+installed and nothing third-party is committed: the headers live in ``kernels/build/ort-include`` (ignored
+by git), and a machine without network (the GPU machine) gets that folder carried along, or
+``--headers DIR`` / ``$ORT_INCLUDE_DIR`` names another copy.
+
+Where from, in order: ``$ORT_HEADERS_URL`` (another URL of the same file) if set, the Debian mirror of this
+machine's apt sources if any, then ``http://deb.debian.org/debian``. Whatever the URL, the hash must match.
 
 API versions: the headers declare ``ORT_API_VERSION`` (21 for 1.21); the library asks the runtime for
 exactly that version, which any onnxruntime >= 1.21 serves (ONNX Runtime's C API is versioned and kept
@@ -15,21 +20,33 @@ refuses headers newer than the runtime.
 
 from __future__ import annotations
 
+import hashlib
+import http.client
+import io
+import os
 import re
 import shutil
-import subprocess
+import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
-from pathlib import Path
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
 
 PACKAGE = "libonnxruntime-dev"
 VERSION = "1.21.0+dfsg-1"  # Debian 13 (trixie), a stable release: the version stays in its archive
-SUITE = "trixie"
+FILENAME = f"{PACKAGE}_{VERSION}_amd64.deb"  # Multi-Arch: same, so its headers match every arch's
+POOL_PATH = f"pool/main/o/onnxruntime/{FILENAME}"
+SIZE = 85_340
+SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+URL_ENV = "ORT_HEADERS_URL"
+TIMEOUT_S = 60
+INCLUDE = ("usr", "include", "onnxruntime")  # the folder of the package that is kept
 HEADER = "onnxruntime_c_api.h"
 REQUIRED = (HEADER, "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h")
 SYSTEM_SOURCES = (Path("/etc/apt/sources.list"), Path("/etc/apt/sources.list.d"))
 
-Runner = Callable[..., subprocess.CompletedProcess]
+Download = Callable[[str], bytes]
 
 
 class HeaderError(RuntimeError):
@@ -117,51 +134,146 @@ def system_source_texts(paths: Sequence[Path] = SYSTEM_SOURCES) -> list[str]:
     return texts
 
 
-def fetch(dest: Path, *, work_dir: Path, run: Runner = subprocess.run, texts: Sequence[str] | None = None) -> Path:
-    """Download ``PACKAGE=VERSION`` with apt and unpack its headers into ``dest``; returns ``dest``."""
-    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        raise HeaderError("apt-get/dpkg-deb not found: pass --headers DIR (ONNX Runtime's include folder)")
-    source = debian_source(system_source_texts() if texts is None else texts)
-    if source is None:
-        raise HeaderError("no Debian archive in this machine's apt sources: pass --headers DIR")
-    uri, keyring = source
-    apt = work_dir / "apt"
-    for sub in ("lists/partial", "cache/archives/partial", "debs"):
-        (apt / sub).mkdir(parents=True, exist_ok=True)
-    signed = f" [signed-by={keyring}]" if keyring else ""
-    (apt / "sources.list").write_text(f"deb{signed} {uri} {SUITE} main\n")
-    options = [
-        f"-oDir::Etc::SourceList={apt / 'sources.list'}",
-        "-oDir::Etc::SourceParts=/dev/null",
-        f"-oDir::State::Lists={apt / 'lists'}",
-        f"-oDir::Cache={apt / 'cache'}",
-        "-oAPT::Sandbox::User=root",
-        "-qq",
-    ]
-    _run(run, ["apt-get", *options, "update"], "apt-get update")
-    download = ["apt-get", *options, "download", f"{PACKAGE}={VERSION}"]
-    _run(run, download, f"apt-get download {PACKAGE}", cwd=apt / "debs")
-    debs = sorted((apt / "debs").glob(f"{PACKAGE}_*.deb"))
-    if not debs:
-        raise HeaderError(f"apt-get download left no {PACKAGE} package")
-    with tempfile.TemporaryDirectory(dir=work_dir) as unpacked:
-        _run(run, ["dpkg-deb", "-x", str(debs[-1]), unpacked], "dpkg-deb -x")
-        include = Path(unpacked) / "usr" / "include" / "onnxruntime"
-        if not is_complete(include):
-            raise HeaderError(f"{debs[-1].name} holds no complete ONNX Runtime include folder")
-        if dest.exists():
-            shutil.rmtree(dest)
-        shutil.copytree(include, dest)
-    (dest / "SOURCE.txt").write_text(f"Debian {SUITE} package {PACKAGE} {VERSION} (usr/include/onnxruntime)\n")
-    shutil.rmtree(apt, ignore_errors=True)  # the package lists are tens of MB: keep only the headers
-    return dest
+def download_url(url: str) -> bytes:
+    """The body at ``url`` (redirects followed), at most one byte more than ``SIZE``."""
+    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        return response.read(SIZE + 1)
 
 
-def _run(run: Runner, command: list[str], what: str, cwd: Path | None = None) -> None:
-    result = run(command, cwd=cwd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout or "").strip().splitlines()[-3:]
-        raise HeaderError(f"{what} failed ({result.returncode}): {' / '.join(tail)}")
+def candidate_urls(texts: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """Where to look for ``FILENAME``, in order: ``$ORT_HEADERS_URL``, the apt sources' mirror, deb.debian.org."""
+    urls = [env[URL_ENV]] if env.get(URL_ENV) else []
+    source = debian_source(texts)
+    mirrors = [source[0]] if source and source[0].startswith(("http://", "https://")) else []
+    urls += [f"{mirror}/{POOL_PATH}" for mirror in [*mirrors, DEFAULT_MIRROR]]
+    return list(dict.fromkeys(urls))
+
+
+def verify(data: bytes, url: str) -> None:
+    """Refuse anything but the pinned file (checked before a byte of it is parsed)."""
+    got = hashlib.sha256(data).hexdigest()
+    if len(data) != SIZE or got != SHA256:
+        raise HeaderError(f"{url}: got sha256 {got} ({len(data)} bytes), expected sha256 {SHA256} ({SIZE} bytes)")
+
+
+def ar_members(data: bytes) -> dict[str, bytes]:
+    """The members of an ``ar`` archive (a .deb): 60-byte headers, bodies padded to even length."""
+    if not data.startswith(b"!<arch>\n"):
+        raise HeaderError(f"{FILENAME} is not an ar archive")
+    members, pos = {}, 8
+    while pos < len(data):
+        header = data[pos : pos + 60]
+        if len(header) < 60 or header[58:60] != b"`\n" or not header[48:58].strip().isdigit():
+            raise HeaderError(f"{FILENAME}: bad ar member header at byte {pos}")
+        name, size = header[:16].decode("ascii", "replace").strip().rstrip("/"), int(header[48:58])
+        start = pos + 60
+        if start + size > len(data):
+            raise HeaderError(f"{FILENAME}: ar member {name} is truncated")
+        members[name] = data[start : start + size]
+        pos = start + size + size % 2
+    return members
+
+
+def data_tar(members: Mapping[str, bytes]) -> tarfile.TarFile:
+    """The package's ``data.tar.*`` member, opened (xz, gz or uncompressed)."""
+    names = [name for name in members if name.startswith("data.tar")]
+    if len(names) != 1:
+        raise HeaderError(f"{FILENAME} holds {len(names)} data.tar members, not 1")
+    name = names[0]
+    modes = {"data.tar": "r:", "data.tar.gz": "r:gz", "data.tar.xz": "r:xz"}
+    if name not in modes:
+        raise HeaderError(f"{FILENAME}: {name} is compressed in a way Python's tarfile cannot read "
+                          "(xz or gz expected): pass --headers DIR")
+    try:
+        return tarfile.open(fileobj=io.BytesIO(members[name]), mode=modes[name])
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise HeaderError(f"{FILENAME}: {name} is unreadable: {exc}") from exc
+
+
+def extract_headers(tar: tarfile.TarFile, into: Path) -> int:
+    """Write the regular files under ``usr/include/onnxruntime`` into ``into``; returns how many.
+
+    Refuses the whole archive for an absolute path or ``..`` anywhere, and for any link or special file
+    under the include folder. Nothing else is extracted.
+    """
+    written = 0
+    for member in tar:
+        path = PurePosixPath(member.name)
+        if path.is_absolute() or ".." in path.parts:
+            raise HeaderError(f"{FILENAME}: refusing member {member.name!r} (its path leaves the archive)")
+        parts = [part for part in path.parts if part != "."]
+        if tuple(parts[: len(INCLUDE)]) != INCLUDE or member.isdir():
+            continue
+        if not member.isfile():
+            raise HeaderError(f"{FILENAME}: refusing member {member.name!r} (a link or special file)")
+        target = into.joinpath(*parts[len(INCLUDE) :])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source = tar.extractfile(member)
+        target.write_bytes(source.read() if source is not None else b"")
+        written += 1
+    return written
+
+
+def unpack(data: bytes, dest: Path, url: str) -> Path:
+    """Unpack the (verified) package's headers into a fresh folder next to ``dest``, then put it in place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0o700 would become dest's
+        with data_tar(ar_members(data)) as tar:
+            extract_headers(tar, staging)
+        if not is_complete(staging):
+            raise HeaderError(f"{FILENAME} holds no complete ONNX Runtime include folder (needs {', '.join(REQUIRED)})")
+        (staging / "SOURCE.txt").write_text(
+            f"Debian package {PACKAGE} {VERSION}, usr/include/onnxruntime\nurl: {url}\nsha256: {SHA256}\n"
+            f"size: {SIZE}\nfetched by kernels/ort_headers.py (not committed)\n")
+        old = dest.with_name(f".{dest.name}-old") if dest.exists() else None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            dest.rename(old)
+        try:
+            staging.rename(dest)
+        except OSError:
+            if old is not None:
+                old.rename(dest)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return dest
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def fetch(
+    dest: Path,
+    *,
+    work_dir: Path | None = None,
+    download: Download = download_url,
+    texts: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Path:
+    """Download the pinned package from the first URL that serves it intact, unpack its headers into ``dest``.
+
+    ``work_dir`` is accepted for the callers' sake and unused: the 85 KB file is held in memory and the
+    headers are staged next to ``dest``. Raises HeaderError naming every URL tried and why it failed.
+    """
+    del work_dir
+    urls = candidate_urls(system_source_texts() if texts is None else texts, os.environ if env is None else env)
+    failures = []
+    for url in urls:
+        try:
+            data = download(url)
+        except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError, HTTPError, timeouts
+            failures.append(f"{url}: {exc}")
+            continue
+        try:
+            verify(data, url)
+        except HeaderError as exc:
+            failures.append(str(exc))
+            continue
+        return unpack(data, dest, url)
+    raise HeaderError(f"could not download {FILENAME} (pass --headers DIR, or set ${URL_ENV} to another copy): "
+                      + "; ".join(failures))
 
 
 def resolve(explicit: Path | None, default: Path, *, work_dir: Path, allow_fetch: bool = True) -> Path:

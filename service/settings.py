@@ -29,6 +29,8 @@ ENV_PREFIX = "SERVICE_"
 MAX_BUCKETS = 16
 """Each bucket costs an IO binding and (on CUDA) a captured graph: keep the count bounded."""
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+BUILT_FUSED_OPS = Path(__file__).resolve().parents[1] / "kernels" / "build" / "libonnxcnn_ops.so"
+"""Where ``python -m kernels.build`` leaves the fused-op library in this checkout (``fused_ops_library`` auto)."""
 
 
 def _valid_buckets(value: tuple[int, ...]) -> tuple[int, ...]:
@@ -128,6 +130,12 @@ class ServiceSettings(BaseSettings):
                                              "untimed.")
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
+    fused_ops_library: str = Field(
+        "auto", **_advanced("The ai.onnxcnn fused CUDA kernels (kernels/, libonnxcnn_ops.so): auto: this "
+                            "checkout's kernels/build/libonnxcnn_ops.so when it is built; off: never; or a path. Where "
+                            "it loads on a GPU, each model also gets a variant lowered to them (verified like every "
+                            "rewrite), which the tuner serves only when it times faster.")
+    )
     verify: bool = Field(
         True, **_advanced("Check every optimized model against the original before serving it (off is unsafe).")
     )
@@ -158,6 +166,14 @@ class ServiceSettings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
 
+    @field_validator("fused_ops_library")
+    @classmethod
+    def _library_file(cls, value: str) -> str:
+        """auto, off, or a file that exists (a typo must stop the server, not silently serve without it)."""
+        if value not in ("auto", "off") and not Path(value).is_file():
+            raise ValueError("give auto, off, or the path of an existing libonnxcnn_ops.so")
+        return value
+
     @field_validator("devices", mode="before")
     @classmethod
     def _device_list(cls, value: object) -> object:
@@ -173,6 +189,16 @@ class ServiceSettings(BaseSettings):
         if not words or not all(word.isdigit() and len(word) <= 3 for word in words):
             raise ValueError("give a comma list of CUDA ordinals (e.g. 0,1) or all")
         return ",".join(str(n) for n in sorted({int(word) for word in words}))
+
+    @property
+    def fused_ops_library_file(self) -> str | None:
+        """The library file ``fused_ops_library`` names: "off" none, "auto" this checkout's build where it
+        exists, else the path as given (where it does not load, the engine runs without it)."""
+        if self.fused_ops_library == "off":
+            return None
+        if self.fused_ops_library == "auto":
+            return str(BUILT_FUSED_OPS) if BUILT_FUSED_OPS.is_file() else None
+        return self.fused_ops_library
 
     @property
     def device_ordinals(self) -> tuple[int, ...] | None:

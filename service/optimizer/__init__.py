@@ -45,6 +45,7 @@ __all__ = [
     "PassSpec",
     "PassStat",
     "optimize",
+    "verify_rewrite",
 ]
 
 
@@ -106,29 +107,37 @@ def optimize(
     report.opset_after = default_opset(optimized)
     report.ops_after = op_histogram(optimized)
     if config.verify:
-        tolerances = {"batch_sizes": config.verify_batch_sizes, "trials": config.verify_trials,
-                      "rtol": config.rtol, "atol": config.atol, "seed": config.seed}  # fmt: skip
-        if config.input_normalization is not None:
-            result = verify_input_normalization(model, optimized, config.input_normalization, **tolerances)
-        else:
-            result = verify_equivalent(model, optimized, **tolerances)
-        if result.tolerance_source == USER and is_looser(result.rtol, result.atol, result.precision):
-            log.warning("verified with a looser tolerance than the %s default: rtol %g, atol %g", result.precision,
-                        result.rtol, result.atol)
-        report.verified = True
-        report.max_abs_diff = result.max_abs_diff
-        report.max_rel_diff = result.max_rel_diff
-        report.verify_batch_sizes = list(result.batch_sizes)
-        report.verify_rtol, report.verify_atol = result.rtol, result.atol
-        report.verify_precision, report.verify_tolerance_source = result.precision, result.tolerance_source
-        report.verify_input_kinds = list(result.input_kinds)
-        report.verify_skipped_kinds = dict(result.skipped_kinds)
-        report.verify_unordered_rows = {name: list(rows) for name, rows in result.unordered_rows.items()}
-        report.verify_selection_inputs = list(result.selection_inputs)
-        report.verify_fed_selections = list(result.fed_selections)
-        report.verify_set_mismatch = result.set_mismatch
+        verify_rewrite(model, optimized, config, report)
     report.duration_s = time.perf_counter() - started
     return optimized, report
+
+
+def verify_rewrite(
+    model: onnx.ModelProto, optimized: onnx.ModelProto, config: OptimizerConfig, report: OptimizationReport
+) -> None:
+    """Prove that ``optimized`` computes what the original ``model`` computes (``config``'s batch sizes, trials,
+    tolerance and input normalisation) and record the proof in ``report``; raises VerificationError."""
+    tolerances = {"batch_sizes": config.verify_batch_sizes, "trials": config.verify_trials,
+                  "rtol": config.rtol, "atol": config.atol, "seed": config.seed}  # fmt: skip
+    if config.input_normalization is not None:
+        result = verify_input_normalization(model, optimized, config.input_normalization, **tolerances)
+    else:
+        result = verify_equivalent(model, optimized, **tolerances)
+    if result.tolerance_source == USER and is_looser(result.rtol, result.atol, result.precision):
+        log.warning("verified with a looser tolerance than the %s default: rtol %g, atol %g", result.precision,
+                    result.rtol, result.atol)
+    report.verified = True
+    report.max_abs_diff = result.max_abs_diff
+    report.max_rel_diff = result.max_rel_diff
+    report.verify_batch_sizes = list(result.batch_sizes)
+    report.verify_rtol, report.verify_atol = result.rtol, result.atol
+    report.verify_precision, report.verify_tolerance_source = result.precision, result.tolerance_source
+    report.verify_input_kinds = list(result.input_kinds)
+    report.verify_skipped_kinds = dict(result.skipped_kinds)
+    report.verify_unordered_rows = {name: list(rows) for name, rows in result.unordered_rows.items()}
+    report.verify_selection_inputs = list(result.selection_inputs)
+    report.verify_fed_selections = list(result.fed_selections)
+    report.verify_set_mismatch = result.set_mismatch
 
 
 def _export(graph: gs.Graph, template: onnx.ModelProto) -> onnx.ModelProto:

@@ -5,20 +5,27 @@ produced (and verified), and returns the rewritten model with the rewrite count 
 only in a session that registered the library (``service.runtime.fused_ops`` says whether it loads), on
 the CUDA provider for speed; it is NCHW float32, so it suits ``prefer_nhwc`` off and no fp16 conversion.
 Nothing here changes the default optimizer: without this call no model holds these operators. The input
-model is never modified.
+model is never modified. ``lower_verified`` is how a served variant is made: the lowering, proved against the
+original like every rewrite, on the library's CPU kernels (the same operator definitions the CUDA kernels
+compute; the tuner compares those against the CPU provider on the device before timing them).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import time
 
 import onnx
 import onnx_graphsurgeon as gs
 
 from service.errors import OptimizationError
-from service.optimizer import OptimizerConfig
+from service.optimizer import OptimizerConfig, verify_rewrite
 from service.optimizer.passes._onnxcnn import DOMAIN
 from service.optimizer.pipeline import FUSED_OPS_PIPELINE, run_pipeline
+from service.optimizer.report import OptimizationReport, PassStat, op_histogram
+from service.optimizer.verify import custom_ops_library
 
-__all__ = ["DOMAIN", "apply_fused_ops", "fused_op_count"]
+__all__ = ["DOMAIN", "apply_fused_ops", "fused_op_count", "lower_verified"]
 
 
 def apply_fused_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
@@ -26,6 +33,35 @@ def apply_fused_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, 
 
     Raises OptimizationError when a pass meets a graph it cannot handle or the result is invalid.
     """
+    lowered, stats = _lowered(model)
+    return lowered, {stat.name: stat.rewrites for stat in stats}
+
+
+def lower_verified(
+    original: onnx.ModelProto, optimized: onnx.ModelProto, report: OptimizationReport, config: OptimizerConfig,
+    library: str,
+) -> tuple[onnx.ModelProto, OptimizationReport] | None:
+    """``optimized`` (made from ``original`` with ``config``; ``report`` says how) lowered to the fused operators,
+    and its report: ``report``'s passes plus the lowering's, verified against ``original`` with ``config``'s
+    tolerance while ``library`` is registered. None when nothing in the graph qualifies.
+
+    Raises OptimizationError (the lowering failed) or VerificationError (it computes something else)."""
+    started = time.perf_counter()
+    lowered, stats = _lowered(optimized)
+    if not fused_op_count(lowered):
+        return None
+    lowered_report = dataclasses.replace(
+        report, passes=[*report.passes, *stats], nodes_after=len(lowered.graph.node), ops_after=op_histogram(lowered),
+        config={**report.config, "fused_ops": True},
+    )
+    if config.verify:
+        with custom_ops_library(library):
+            verify_rewrite(original, lowered, config, lowered_report)
+    lowered_report.duration_s = report.duration_s + time.perf_counter() - started
+    return lowered, lowered_report
+
+
+def _lowered(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[PassStat]]:
     working = onnx.ModelProto()
     working.CopyFrom(model)
     try:
@@ -45,7 +81,7 @@ def apply_fused_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, 
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OptimizationError(f"fused-op lowering produced an invalid model: {first_line}") from exc
-    return lowered, {stat.name: stat.rewrites for stat in stats}
+    return lowered, stats
 
 
 def fused_op_count(model: onnx.ModelProto) -> int:

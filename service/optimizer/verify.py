@@ -58,12 +58,14 @@ nothing, and the result records how many detections each unordered output had in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -411,8 +413,28 @@ def _check_layout(where: str, expected: np.ndarray, got: np.ndarray) -> None:
         raise VerificationError(f"{where}: dtype {got.dtype} differs from the original's {expected.dtype}")
 
 
+_CUSTOM_OPS: contextvars.ContextVar[str | None] = contextvars.ContextVar("custom_ops_library", default=None)
+
+
+@contextlib.contextmanager
+def custom_ops_library(path: str | None) -> Iterator[None]:
+    """Sessions built for verification inside this block register the custom-operator library at ``path``
+    (a lowered graph holding the ai.onnxcnn operators runs on their CPU kernels)."""
+    token = _CUSTOM_OPS.set(path)
+    try:
+        yield
+    finally:
+        _CUSTOM_OPS.reset(token)
+
+
 def _session(data: bytes, role: str) -> ort.InferenceSession:
     options = ort.SessionOptions()
+    library = _CUSTOM_OPS.get()
+    if library is not None:
+        try:
+            options.register_custom_ops_library(library)
+        except Exception as exc:
+            raise OptimizationError(f"the custom-operator library does not load: {_short(exc)}") from exc
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = _threads()
     options.inter_op_num_threads = 1

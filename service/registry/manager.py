@@ -100,7 +100,8 @@ def server_variants(settings: ServiceSettings) -> frozenset[str]:
     from service.runtime.tuner import choosable_variants
 
     ordinals = settings.device_ordinals
-    return choosable_variants(EngineOptions(device=settings.device, device_id=ordinals[0] if ordinals else 0))
+    return choosable_variants(EngineOptions(device=settings.device, device_id=ordinals[0] if ordinals else 0,
+                                            fused_ops_library=settings.fused_ops_library_file))
 
 
 def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
@@ -110,7 +111,7 @@ def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> Engine
     return EngineOptions(
         device=settings.device, device_id=ordinals[0] if ordinals else 0, buckets=config.buckets,
         cudnn_conv_algo_search=settings.cudnn_conv_algo_search, tune_budget_s=settings.tune_budget_s,
-        cpu_threads=settings.cpu_threads,
+        cpu_threads=settings.cpu_threads, fused_ops_library=settings.fused_ops_library_file,
     )
 
 

@@ -59,7 +59,8 @@ class Optimizations:
         self.variants = variants
         self._check_accepting = check_accepting
         self._runner = OptimizerRunner(timeout_s=settings.optimizer_timeout_s,
-                                       memory_limit_mb=settings.optimizer_memory_mb)
+                                       memory_limit_mb=settings.optimizer_memory_mb,
+                                       fused_ops_library=settings.fused_ops_library_file)
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         self.count = 0
         """Optimizer runs (child processes) started."""
@@ -81,9 +82,9 @@ class Optimizations:
                 raise
 
     def to_make(self, config: EffectiveConfig) -> frozenset[str]:
-        """The variants a version with ``config`` gets here: what this server can serve, "plain" alone where
-        the config allows no FusedConv."""
-        return self.variants if config.fused_conv else frozenset({"plain"})
+        """The variants a version with ``config`` gets here: what this server can serve, without "fused" where
+        the config allows no FusedConv (then "plain" always)."""
+        return self.variants if config.fused_conv else (self.variants - {"fused"}) | {"plain"}
 
     def record(self, outcome: OptimizeOutcome, config: EffectiveConfig) -> OptimizationRecord:
         """Runs in a thread (hashes the optimized files)."""

@@ -54,18 +54,16 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import VerifyTolerance
+from service.registry.variants import FUSED_FILE, KERNELS, KERNELS_FILE, PLAIN_FILE, looks_like_oom, write_synced
 
 log = logging.getLogger(__name__)
 
 RESULT = "result.json"
-FUSED_FILE = "optimized.onnx"
-PLAIN_FILE = "optimized-plain.onnx"
 _OUTPUT_TAIL = 4000
 EXIT_NO_SPACE = 4
 """The child's exit status when the disk is too full even for its report (the parent answers 507)."""
 _SIGNATURE_RE = re.compile(r"onnxruntime::[\w:]+(?:\([^)]*\))?\s*")
 _SOURCE_PATH_RE = re.compile(r"\S*/\S+\.(?:cc|cpp|c|h|hpp|cu|py|so)\b(?::\d+)?:?\s*")
-_MEMORY_WORDS = ("bad_alloc", "failed to allocate", "cannot allocate memory", "memoryerror", "out of memory")
 # Errors the child may report, by class name; anything else becomes a plain OptimizationError.
 _ERRORS: dict[str, type[ServiceError]] = {
     cls.__name__: cls
@@ -136,9 +134,11 @@ class _Job:
 class OptimizerRunner:
     """Starts optimizer children and remembers the live ones, so shutdown can kill them."""
 
-    def __init__(self, *, timeout_s: float, memory_limit_mb: int) -> None:
+    def __init__(self, *, timeout_s: float, memory_limit_mb: int, fused_ops_library: str | None = None) -> None:
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
+        self.fused_ops_library = fused_ops_library
+        """The library a KERNELS variant is made with (it is made only where one is given and asked for)."""
         self._live: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
@@ -174,6 +174,7 @@ class OptimizerRunner:
             sys.executable, "-m", "service.registry.sandbox", str(source), str(out_dir),
             "--variants", ",".join(sorted(variants)), "--verify", str(int(verify)), *_tolerance_argv(tolerance),
             "--memory-limit-mb", str(self.memory_limit_mb), *(image.argv() if image is not None else ()),
+            *(("--fused-ops-library", self.fused_ops_library) if self.fused_ops_library else ()),
         ]  # fmt: skip
         proc = subprocess.Popen(
             command,
@@ -242,7 +243,7 @@ def _read_result(
         raise InsufficientStorageError("not enough disk space to optimize the model")
     if not isinstance(result, dict):
         log.warning("optimizer child exited with %s without a result; output tail:\n%s", returncode, tail)
-        if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or _looks_like_oom(tail):
+        if returncode in (-signal.SIGKILL, -signal.SIGSEGV, -signal.SIGABRT) or looks_like_oom(tail):
             raise OptimizationError(
                 f"optimization exceeded the memory limit of {limit_mb} MiB or crashed "
                 "(limit: SERVICE_OPTIMIZER_MEMORY_MB)"
@@ -255,6 +256,8 @@ def _read_result(
             )
         error = _ERRORS.get(str(result.get("error")), OptimizationError)
         raise error(client_message(str(result.get("message") or "optimization failed"), out_dir, source))
+    for name, why in (result.get("skipped_variants") or {}).items():
+        log.warning("optimized without the %s variant: %s", name, why)
     return OptimizeOutcome(
         out_dir=out_dir,
         sha256=result["sha256"],
@@ -287,11 +290,6 @@ def _tolerance_argv(tolerance: VerifyTolerance | None) -> list[str]:
     return [arg for flag, value in pairs if value is not None for arg in (flag, repr(value))]
 
 
-def _looks_like_oom(text: str) -> bool:
-    lowered = text.lower()
-    return any(word in lowered for word in _MEMORY_WORDS)
-
-
 # ---------------------------------------------------------------------- child side
 
 
@@ -311,13 +309,10 @@ def _limit_resources(memory_limit_mb: int) -> None:
             os._exit(1)
 
 
-def _fused_conv_count(model: Any) -> int:
-    return sum(1 for n in model.graph.node if n.op_type == "FusedConv" and n.domain == "com.microsoft")
-
-
 def _job(
     source: Path, out_dir: Path, *, variants: frozenset[str], verify: bool, preprocess: str | None = None,
     label_count: int | None = None, rtol: float | None = None, atol: float | None = None,
+    fused_ops_library: str | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -326,6 +321,7 @@ def _job(
     from service.optimizer.verify_shared import shared_reference_runs
     from service.registry.acceptance import validate_model
     from service.registry.image_config import check_labels, image_normalization
+    from service.registry.variants import optimize_variants
     from service.runtime.contract import Signature
 
     data = source.read_bytes()
@@ -337,39 +333,11 @@ def _job(
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))
     check_labels(uploaded, label_count)
-    options = {"verify": verify, "rtol": rtol, "atol": atol, "input_normalization": normalization}
+    options = {"verify": verify, "rtol": rtol, "atol": atol, "input_normalization": normalization,
+               "fused_ops_library": fused_ops_library}
     with shared_reference_runs():  # the variants' verifications run the original once per input set
-        signature, made = _optimize_variants(model, variants, options, out_dir)
+        signature, made = optimize_variants(model, variants, options, out_dir)
     return _result(digest, source, signature, made)
-
-
-def _optimize_variants(
-    model: Any, variants: frozenset[str], options: dict[str, Any], out_dir: Path
-) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """The served signature and {variant: {"file", "report"}}: "fused" first when asked for (it says whether
-    FusedConv changes the graph at all), then "plain"; each saved to ``out_dir`` once ORT loads it."""
-    from service.optimizer import OptimizerConfig, optimize
-    from service.optimizer.shapes import output_dims
-    from service.runtime.contract import Signature
-
-    first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, **options))
-    # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
-    # inferred on the uploaded graph: onnx cannot infer through com.microsoft's FusedConv, and the served graph
-    # computes the same outputs (the optimizer proved it)
-    signature = Signature.from_onnx(first).with_output_dims(output_dims(model))
-    fused_made = _fused_conv_count(first) > _fused_conv_count(model)
-    if not options["verify"]:
-        _smoke_run(first)
-    _save_variant(first, out_dir / FUSED_FILE)
-    if not fused_made:  # one graph serves as either variant
-        return signature, {"plain": {"file": FUSED_FILE, "report": report.to_dict()}}
-    made = {"fused": {"file": FUSED_FILE, "report": report.to_dict()}}
-    del first
-    if "plain" in variants:
-        plain, plain_report = optimize(model, OptimizerConfig(fused_conv=False, **options))
-        _save_variant(plain, out_dir / PLAIN_FILE)
-        made["plain"] = {"file": PLAIN_FILE, "report": plain_report.to_dict()}
-    return signature, made
 
 
 def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -378,48 +346,13 @@ def _result(digest: str, source: Path, signature: Any, variants: dict[str, dict[
         "sha256": digest,
         "size": source.stat().st_size,
         "signature": signature.to_dict(),
-        "variants": variants,
+        "variants": {name: entry for name, entry in variants.items() if "file" in entry},
+        "skipped_variants": {name: entry["skipped"] for name, entry in variants.items() if "file" not in entry},
     }
 
 
-def _smoke_run(model: Any) -> None:
-    """With verification off, still run the model once here (batch 1, random inputs), under the limits:
-    a graph that allocates absurd memory when run must fail in this child, not in the server."""
-    from service.optimizer.verify import verify_equivalent
-
-    verify_equivalent(model, model, batch_sizes=(1,), trials=1)
-
-
-def _save_variant(model: Any, path: Path) -> None:
-    """Write a variant after proving that ONNX Runtime can build a session from it here, under the memory
-    limit: session creation with ORT_ENABLE_ALL constant-folds, which is where a bomb would go off in the
-    server (this matters most when verification is switched off)."""
-    import onnxruntime as ort
-
-    data = model.SerializeToString()
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    try:
-        ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        if _looks_like_oom(str(exc)):
-            raise MemoryError from exc
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise OptimizationError(f"ONNX Runtime cannot load the optimized model: {first_line[:200]}") from exc
-    _write(path, data)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _failure(exc: BaseException) -> dict[str, Any]:
-    if isinstance(exc, MemoryError) or _looks_like_oom(f"{type(exc).__name__} {exc}"):
+    if isinstance(exc, MemoryError) or looks_like_oom(f"{type(exc).__name__} {exc}"):
         return {"ok": False, "error": "memory", "message": "memory limit exceeded"}
     if isinstance(exc, ServiceError):
         return {"ok": False, "error": type(exc).__name__, "message": exc.message}
@@ -431,8 +364,8 @@ def _failure(exc: BaseException) -> dict[str, Any]:
 
 def _variant_list(text: str) -> frozenset[str]:
     names = frozenset(filter(None, text.split(",")))
-    if not names or not names <= {"fused", "plain"}:
-        raise argparse.ArgumentTypeError(f"variants are fused and/or plain, not {text!r}")
+    if not names or not names <= {"fused", "plain", KERNELS}:
+        raise argparse.ArgumentTypeError(f"variants are fused, plain and/or {KERNELS}, not {text!r}")
     return names
 
 
@@ -443,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=_variant_list, default=frozenset({"fused", "plain"}),
                         help="the optimized variants to make: fused, plain or both (comma-separated)")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--fused-ops-library", default=None, help=f"the library the {KERNELS} variant needs")
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
     parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")
@@ -455,14 +389,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="optimizer-worker: %(levelname)s %(message)s")
     try:
         result = _job(args.source, args.out_dir, variants=args.variants, verify=bool(args.verify),
-                      preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol)
+                      preprocess=args.preprocess, label_count=args.label_count, rtol=args.rtol, atol=args.atol,
+                      fused_ops_library=args.fused_ops_library)
     except BaseException as exc:  # report every failure as data; the parent turns it into a 4xx
         if not isinstance(exc, ServiceError | MemoryError):
             logging.getLogger(__name__).warning("optimization failed", exc_info=True)
         result = _failure(exc)
         _discard_variants(args.out_dir)  # a half-written copy only takes the space the report needs
     try:
-        _write(args.out_dir / RESULT, json.dumps(result).encode())
+        write_synced(args.out_dir / RESULT, json.dumps(result).encode())
     except MemoryError:
         return 3
     except OSError as exc:
@@ -473,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _discard_variants(out_dir: Path) -> None:
-    for name in (FUSED_FILE, PLAIN_FILE):
+    for name in (FUSED_FILE, PLAIN_FILE, KERNELS_FILE):
         with contextlib.suppress(OSError):
             (out_dir / name).unlink()
 

@@ -383,6 +383,8 @@ class EngineOptions:
     cpu_threads: int = 0
     cuda_graph: bool = True
     """Capture CUDA graphs where the model allows (the tuner turns it off for graphless candidates)."""
+    fused_ops_library: str | None = None
+    """The ai.onnxcnn library file (``runtime.fused_ops``); a session registers it for a model holding its ops."""
 
     def replace(self, **changes: Any) -> EngineOptions:
         return dataclasses.replace(self, **changes)

@@ -24,6 +24,7 @@ from service.graph_precision import graph_precision
 from service.runtime.buckets import GraphUnusable, preallocatable
 from service.runtime.contract import EngineOptions, Signature, TensorSpec
 from service.runtime.device import CUDA, DeviceChoice, resolve_device
+from service.runtime.fused_ops import uses_fused_ops
 from service.runtime.openvino import ep_nodes, openvino_choice, openvino_session
 from service.runtime.sessions import CudaTuning, cpu_session, cuda_session
 
@@ -80,12 +81,14 @@ def load_engine(
     buckets = engine_buckets(options.buckets, Signature.from_onnx(proto).inputs)
     choice = resolve_device(options)
     ops = tuple(sorted({node.op_type for node in proto.graph.node}))
+    custom_ops = custom_ops_for(proto, options)
     if choice.is_cuda:
         nhwc = "FusedConv" not in ops if prefer_nhwc is None else prefer_nhwc
-        engine = _load_cuda(proto, data, options, choice, buckets, variant, CudaTuning(nhwc, fuse_conv_bias), warmed)
+        tuning = CudaTuning(nhwc, fuse_conv_bias)
+        engine = _load_cuda(proto, data, options, choice, buckets, variant, tuning, warmed, custom_ops)
     else:
         begun = time.perf_counter()
-        session = openvino_session(data, options, openvino) if openvino else cpu_session(data, options)
+        session = openvino_session(data, options, openvino) if openvino else cpu_session(data, options, custom_ops)
         session_s = time.perf_counter() - begun
         choice, nodes = (openvino_choice(choice), ep_nodes(session)) if openvino else (choice, None)
         precision = openvino or graph_precision(proto)
@@ -98,9 +101,19 @@ def load_engine(
     return engine
 
 
+def custom_ops_for(proto: onnx.ModelProto, options: EngineOptions) -> str | None:
+    """The library a session of ``proto`` must register: the fused-op library where the model holds its ops."""
+    if not uses_fused_ops(proto):
+        return None
+    if options.fused_ops_library is None:
+        raise EngineError("the model holds ai.onnxcnn fused operators but no fused-op library is configured "
+                          "(SERVICE_FUSED_OPS_LIBRARY)")
+    return options.fused_ops_library
+
+
 def _load_cuda(
     proto: onnx.ModelProto, data: bytes, options: EngineOptions, choice: DeviceChoice,
-    buckets: tuple[int, ...], variant: str, tuning: CudaTuning, warmed: Warmed[E],
+    buckets: tuple[int, ...], variant: str, tuning: CudaTuning, warmed: Warmed[E], custom_ops: str | None = None,
 ) -> E:
     """CUDA session with graphs when possible; any capture problem falls back to no graphs, logged."""
     ops = tuple(sorted({node.op_type for node in proto.graph.node}))
@@ -114,7 +127,7 @@ def _load_cuda(
     if options.cuda_graph and preallocatable(Signature.from_onnx(proto)):
         try:
             begun = time.perf_counter()
-            session = cuda_session(data, options, tuning, graph=True)
+            session = cuda_session(data, options, tuning, graph=True, custom_ops=custom_ops)
             session_s += time.perf_counter() - begun
             engine = warmed(session, proto, variant=built(True), **common)
             engine.session_s = session_s
@@ -126,7 +139,7 @@ def _load_cuda(
         logger.warning("variant %s: CUDA graphs off for this model (%s)", variant, fallback)
     try:
         begun = time.perf_counter()
-        session = cuda_session(data, options, tuning, graph=False)
+        session = cuda_session(data, options, tuning, graph=False, custom_ops=custom_ops)
         session_s += time.perf_counter() - begun
         engine = warmed(session, proto, variant=built(False, fallback), **common)
     except EngineError:

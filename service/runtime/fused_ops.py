@@ -31,6 +31,17 @@ _PROBE_TOLERANCE = 1e-4  # max |diff| on values of order 1: the kernels and ORT 
 _CHANNELS, _REDUCED, _SIZE = 8, 4, 6
 
 
+def library_loads(path: str | None) -> bool:
+    """Cheap (no CUDA, no session): the file loads into this process and says what it is. Where it does, the
+    optimizer makes the lowered variant and the tuner times it in a child, which is where it may still fail."""
+    return path is not None and build_info(path) is not None
+
+
+def uses_fused_ops(model) -> bool:
+    """Whether ``model`` holds ai.onnxcnn nodes (a session must register the library to load it)."""
+    return any(node.domain == DOMAIN for node in model.graph.node)
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedOpsStatus:
     """Whether the library is usable on ``provider``, and why (one log line)."""
@@ -160,4 +171,5 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"(/[^\s:]+/)([^/\s:]+)", r"\2", first)[:300]
 
 
-__all__ = ["DOMAIN", "LIBRARY_NAME", "FusedOpsStatus", "build_info", "probe", "register"]
+__all__ = ["DOMAIN", "LIBRARY_NAME", "FusedOpsStatus", "build_info", "library_loads", "probe", "register",
+           "uses_fused_ops"]

@@ -35,8 +35,18 @@ def session_options(*, quiet: bool = False) -> ort.SessionOptions:
     return options
 
 
-def cpu_session(data: bytes, engine_options: EngineOptions) -> ort.InferenceSession:
-    options = session_options()
+def with_custom_ops(options: ort.SessionOptions, library: str | None) -> ort.SessionOptions:
+    """``options`` with the ai.onnxcnn operators registered (``library``: None for a model without them)."""
+    if library is not None:
+        try:
+            options.register_custom_ops_library(library)
+        except Exception as exc:
+            raise EngineError(f"the model needs the fused-op library, which does not load: {first_line(exc)}") from exc
+    return options
+
+
+def cpu_session(data: bytes, engine_options: EngineOptions, custom_ops: str | None = None) -> ort.InferenceSession:
+    options = with_custom_ops(session_options(), custom_ops)
     if engine_options.cpu_threads:
         options.intra_op_num_threads = engine_options.cpu_threads
     try:
@@ -46,12 +56,13 @@ def cpu_session(data: bytes, engine_options: EngineOptions) -> ort.InferenceSess
 
 
 def cuda_session(
-    data: bytes, engine_options: EngineOptions, tuning: CudaTuning, *, graph: bool
+    data: bytes, engine_options: EngineOptions, tuning: CudaTuning, *, graph: bool, custom_ops: str | None = None
 ) -> ort.InferenceSession:
     """A CUDA session (created under the capture lock's shared side: it allocates device memory)."""
     provider = (CUDA, cuda_provider_options(engine_options, prefer_nhwc=tuning.prefer_nhwc, cuda_graph=graph,
                                             fuse_conv_bias=tuning.fuse_conv_bias))
-    options = session_options(quiet=graph)  # a graph session ORT refuses is logged by us, as a fallback
+    # a graph session ORT refuses is logged by us, as a fallback
+    options = with_custom_ops(session_options(quiet=graph), custom_ops)
     options.intra_op_num_threads = CUDA_INTRA_OP_THREADS
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     CUDA_LOCK.acquire_shared()

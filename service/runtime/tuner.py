@@ -35,8 +35,9 @@ from service.runtime.cpu_tuner import select_cpu
 from service.runtime.cuda_configs import Config, has_fused_conv, load_config
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
+from service.runtime.fused_ops import library_loads, uses_fused_ops
 from service.runtime.openvino import status as openvino_status
-from service.runtime.precision import check_fp16
+from service.runtime.precision import REL_L2_TOLERANCE, check_fp16
 from service.runtime.split_engine import SplitEngine
 from service.runtime.timing import score as _score
 from service.runtime.timing import time_batch, time_calls
@@ -45,6 +46,10 @@ from service.runtime.tuner_faults import known_faults as known_faults_of
 
 logger = logging.getLogger(__name__)
 
+CHECK_REL_L2 = {"fp16": REL_L2_TOLERANCE, "fused_ops": 1e-2}
+"""Largest relative L2 error against the CPU provider before a configuration is timed: fp16 as
+``runtime.precision`` documents; the fused operators in float32 (TF32 convolutions around them: MobileNetV3
+lands near 1e-3; a broken kernel near 1)."""
 PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16"), "bf16": ("fp32",)}
 """Precision asked -> precisions timed on CUDA (bf16 is OpenVINO's, on the CPU: cpu_tuner)."""
 _B1_RUNS, _B1_MAX_S = 200, 0.4
@@ -59,14 +64,16 @@ def _configs(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
 ) -> list[Config]:
     """Every combination to time, the likeliest winners first (they survive a short budget)."""
-    layouts = [True, False]
-    names = sorted(candidates, key=lambda n: (has_fused_conv(candidates[n]), n))
-    fp16_names = [n for n in names if not has_fused_conv(candidates[n])] or names
+    names = sorted(candidates, key=lambda n: (has_fused_conv(candidates[n]), uses_fused_ops(candidates[n]), n))
+    fp16_names = [n for n in names if _fp16_convertible(candidates[n])] or names
     configs = []
     for prec in PRECISIONS[precision]:
         for name in fp16_names if prec == "fp16" else names:
-            for nhwc in layouts:
+            for nhwc in _layouts(candidates[name]):
                 configs.extend(Config(name, nhwc, prec, bias) for bias in _bias_options(candidates[name]))
+    # the fused operators right after the first configuration: they are what the lowered variant exists for
+    kernels = [c for c in configs[1:] if uses_fused_ops(candidates[c.variant])]
+    configs = configs[:1] + kernels + [c for c in configs[1:] if c not in kernels]
     if not settings.cuda_graph:  # every configuration runs without graphs
         return [dataclasses.replace(c, cuda_graph=False) for c in configs]
     large = _large_batch_configs(configs, candidates, settings)
@@ -91,7 +98,7 @@ def _large_batch_configs(
     large = [
         dataclasses.replace(c, cuda_graph=False)
         for c in configs
-        if c.prefer_nhwc == first_layout and not has_fused_conv(candidates[c.variant])
+        if c.prefer_nhwc == first_layout and _fp16_convertible(candidates[c.variant])
     ]
     # likeliest winners first: fp16 before fp32, conv-bias fusion before none (H200, batch 64)
     return sorted(large, key=lambda c: (c.precision != "fp16", not c.fuse_conv_bias))
@@ -100,6 +107,16 @@ def _large_batch_configs(
 def _splits(settings: EngineOptions) -> bool:
     """Whether large buckets may go to a second engine: there are buckets that large."""
     return max(settings.buckets) >= SPLIT_MIN_BUCKET
+
+
+def _fp16_convertible(model: onnx.ModelProto) -> bool:
+    """FusedConv's CUDA kernel and the ai.onnxcnn operators are float32 only: such graphs stay fp32."""
+    return not has_fused_conv(model) and not uses_fused_ops(model)
+
+
+def _layouts(model: onnx.ModelProto) -> list[bool]:
+    """prefer_nhwc values to time: both, NHWC first, except for the ai.onnxcnn operators (NCHW kernels)."""
+    return [False] if uses_fused_ops(model) else [True, False]
 
 
 def _bias_options(model: onnx.ModelProto) -> list[bool]:
@@ -114,7 +131,9 @@ class _Results:
 
     timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-    fp16_checks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    checks: dict[str, dict[str, dict[str, Any]]] = dataclasses.field(
+        default_factory=lambda: {"fp16": {}, "fused_ops": {}})
+    """Per kind ("fp16", "fused_ops"), each variant's check against the model on the CPU provider."""
     faults: dict[str, str] = dataclasses.field(default_factory=dict)
     """Configurations whose child died with a CUDA fault in this run, and the error."""
 
@@ -138,7 +157,7 @@ def _time_configs(
     tune_settings = ranking_options(settings).replace(buckets=_tuning_buckets(settings)).to_dict()
     payload = {name: model.SerializeToString() for name, model in candidates.items()}
     results, per_config_s = _Results(), 0.0
-    graph_faults: dict[str, str] = {}  # precision -> the graph configuration that faulted the GPU
+    graph_faults: dict[tuple[str, str], str] = {}  # (variant, precision) -> its graph configuration that faulted
     for config in configs:
         left = deadline - time.monotonic()
         if config.key in (known or {}):
@@ -147,8 +166,8 @@ def _time_configs(
         if per_config_s and left < per_config_s:  # the first configuration that runs always runs
             results.skipped[config.key] = "time budget spent"
             continue
-        if config.cuda_graph and config.precision in graph_faults:
-            results.skipped[config.key] = f"not timed: {graph_faults[config.precision]} faulted the GPU"
+        if config.cuda_graph and (config.variant, config.precision) in graph_faults:
+            results.skipped[config.key] = f"not timed: {graph_faults[config.variant, config.precision]} faulted the GPU"
             continue
         started = time.monotonic()
         time_big = not config.cuda_graph or left > 2.5 * max(per_config_s, 1.0)
@@ -161,10 +180,11 @@ def _time_configs(
             if is_gpu_fault(results.skipped[config.key]):
                 results.faults[config.key] = results.skipped[config.key]
                 if config.cuda_graph:
-                    graph_faults[config.precision] = config.key
+                    graph_faults[config.variant, config.precision] = config.key
         else:
-            if "fp16_check" in outcome:
-                results.fp16_checks[config.variant] = outcome["fp16_check"]
+            for kind in ("fp16", "fused_ops"):
+                if f"{kind}_check" in outcome:
+                    results.checks[kind][config.variant] = outcome[f"{kind}_check"]
             if "timing" in outcome:
                 results.timings[config.key] = outcome["timing"]
             else:
@@ -186,13 +206,14 @@ def _time_config_child(
     source = onnx.load_from_string(model_data)
     outcome: dict[str, Any] = {}
     with load_config(source, config, settings) as engine:
-        if config.precision == "fp16":
+        if config.precision == "fp16" or uses_fused_ops(source):
+            kind = "fp16" if config.precision == "fp16" else "fused_ops"
             cpu = settings.replace(device="cpu", buckets=(2,))
-            with OrtEngine.load(source, cpu, variant=f"{config.variant}/fp32-reference") as reference:
-                check = check_fp16(engine, reference, batch=2, trials=2)
-            outcome["fp16_check"] = check.to_dict()
+            with OrtEngine.load(source, cpu, variant=f"{config.variant}/cpu-reference") as reference:
+                check = check_fp16(engine, reference, batch=2, trials=2, rel_l2_tol=CHECK_REL_L2[kind])
+            outcome[f"{kind}_check"] = check.to_dict()
             if not check.ok:
-                outcome["skipped"] = f"fp16 check failed: {check.reason}"
+                outcome["skipped"] = f"{kind} check failed: {check.reason}"
                 return outcome
         timing = {"1": time_batch(engine, 1, runs=_B1_RUNS, max_s=_B1_MAX_S)}
         big = max(settings.buckets)
@@ -242,15 +263,19 @@ def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: E
 
 
 ALL_VARIANTS = frozenset({"fused", "plain"})
+"""The variants made without the fused-op library (every one a CPU machine may serve)."""
+KERNELS_VARIANT = "onnxcnn"
+"""plain lowered to the ai.onnxcnn fused operators (``optimizer.fused_ops``): made and timed on a GPU only."""
 
 
 def choosable_variants(options: EngineOptions) -> frozenset[str]:
     """The optimized variants a tuner on this machine may serve: on a GPU "plain" (FusedConv's CUDA kernel
-    has no NHWC form and lost to plain NHWC on the H200: docs/benchmarks.md), on the CPU "fused" (ORT's CPU
+    has no NHWC form and lost to plain NHWC on the H200: docs/benchmarks.md) and "onnxcnn" (plain lowered to
+    the ai.onnxcnn fused operators) where the fused-op library loads; on the CPU "fused" (ORT's CPU
     provider's own fusion), plus "plain" where the OpenVINO EP may serve (it runs no com.microsoft op).
-    Cheap: the GPU driver's device name, no CUDA session."""
+    Cheap: the GPU driver's device name and a dlopen, no CUDA session."""
     if options.device != "cpu" and gpu_name(options.device_id) is not None:
-        return frozenset({"plain"})
+        return frozenset({"plain", KERNELS_VARIANT} if library_loads(options.fused_ops_library) else {"plain"})
     return ALL_VARIANTS if openvino_status().usable else frozenset({"fused"})
 
 
@@ -275,6 +300,7 @@ def select_variant(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
     choice = resolve_device(settings)
+    candidates = _servable(candidates, settings, choice.is_cuda)
     budget = settings.tune_budget_s if budget_s is None else budget_s
     if not choice.is_cuda:
         return select_cpu(candidates, settings, precision=precision, budget_s=budget, cached_choice=cached_choice)
@@ -292,6 +318,16 @@ def select_variant(
         # (fp16 MobileNetV3 on ORT 1.31.1) must not take the serving process down with it.
         configs = configs[:1]
     return _tune(candidates, settings, configs, device, budget, known_faults)
+
+
+def _servable(
+    candidates: dict[str, onnx.ModelProto], settings: EngineOptions, cuda: bool
+) -> dict[str, onnx.ModelProto]:
+    """The candidates this engine may serve: a graph of fused operators only on CUDA with the library configured
+    (a stored lowered variant outlives a library switched off; their CPU kernels are plain loops)."""
+    kept = {name: model for name, model in candidates.items()
+            if not uses_fused_ops(model) or (cuda and settings.fused_ops_library is not None)}
+    return kept or candidates
 
 
 def _tune(
@@ -320,7 +356,8 @@ def _tune(
                 f"; not timed, known to fault here: {sorted(known)}" if known else "")
     results = _time_configs(candidates, settings, configs, budget_s, known)
     config = results.best([c for c in configs if c.cuda_graph]) or results.best(configs)
-    extra = {"timings_ms": results.timings, "skipped": results.skipped, "fp16_checks": results.fp16_checks,
+    extra = {"timings_ms": results.timings, "skipped": results.skipped,
+             **{f"{kind}_checks": checks for kind, checks in results.checks.items() if checks},
              "tuned_buckets": list(_tuning_buckets(settings)), "budget_s": budget_s,
              "tune_s": round(time.monotonic() - started, 2)}
     if config is not None:
@@ -417,4 +454,5 @@ def _short_error(exc: BaseException) -> str:
     return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
 
 
-__all__ = ["ALL_VARIANTS", "Config", "choosable_variants", "select_variant", "time_batch", "time_calls"]
+__all__ = ["ALL_VARIANTS", "KERNELS_VARIANT", "Config", "choosable_variants", "select_variant", "time_batch",
+           "time_calls"]

@@ -1,10 +1,10 @@
 """kernels.build and kernels.ort_headers: finding nvcc, the GPU targets, the headers' API version, apt
-sources, stamps; and (slow, where an nvcc exists) that the CUDA build compiles and its library loads here."""
+sources, stamps; and (slow, where an nvcc exists) that the CUDA build compiles and its library loads here.
+Fetching the headers: test_kernels_ort_headers.py."""
 
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -103,43 +103,6 @@ def test_debian_source_is_read_from_both_apt_formats():
     assert ort_headers.debian_source([one_line]) == ("http://mirror.example/debian", "/k.gpg")
     assert ort_headers.debian_source(["deb http://mirror.example/debian-security bookworm-security main"]) is None
     assert ort_headers.debian_source(["Types: deb-src\nURIs: http://mirror.example/debian\n"]) is None
-
-
-def test_fetch_runs_apt_in_a_private_state_and_keeps_only_the_headers(tmp_path, monkeypatch):
-    """apt-get and dpkg-deb stand-ins: the commands, the private apt options, the cleanup."""
-    calls = []
-
-    def run(command, cwd=None, **_kwargs):
-        calls.append((command, cwd))
-        if command[:2] == ["dpkg-deb", "-x"]:
-            include = Path(command[3]) / "usr" / "include" / "onnxruntime"
-            include.mkdir(parents=True)
-            for name in ort_headers.REQUIRED:
-                (include / name).write_text("#define ORT_API_VERSION 21\n")
-        if "download" in command:
-            (Path(cwd) / f"{ort_headers.PACKAGE}_1.21_amd64.deb").write_bytes(b"deb")
-        return subprocess.CompletedProcess(command, 0, "", "")
-
-    monkeypatch.setattr(ort_headers.shutil, "which", lambda name: f"/usr/bin/{name}")
-    dest = tmp_path / "ort-include"
-    texts = ["deb http://mirror.example/debian bookworm main\n"]
-    assert ort_headers.fetch(dest, work_dir=tmp_path, run=run, texts=texts) == dest
-    assert ort_headers.is_complete(dest) and "trixie" in (dest / "SOURCE.txt").read_text()
-    update, download, unpack = (c for c, _ in calls)
-    assert update[-1] == "update" and any(o.startswith("-oDir::State::Lists=") for o in update)
-    assert download[-1] == f"{ort_headers.PACKAGE}={ort_headers.VERSION}"
-    assert unpack[:2] == ["dpkg-deb", "-x"]
-    assert not (tmp_path / "apt").exists()  # the package lists are gone
-
-
-def test_fetch_failure_names_the_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(ort_headers.shutil, "which", lambda name: f"/usr/bin/{name}")
-
-    def run(command, **_kwargs):
-        return subprocess.CompletedProcess(command, 100, "", "E: Unable to locate package")
-
-    with pytest.raises(ort_headers.HeaderError, match="apt-get update failed \\(100\\): E: Unable"):
-        ort_headers.fetch(tmp_path / "inc", work_dir=tmp_path, run=run, texts=["deb http://m.example/debian x main"])
 
 
 def test_resolve_prefers_an_explicit_folder_and_never_fetches_when_told(tmp_path):
