@@ -224,26 +224,42 @@ def zoo_onnx(name: str) -> Any:
                       "mnv3_native": "mobilenet_v3_large_native"}[name])
 
 
-def optimized(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Our optimizer's 'fused' (FusedConv allowed) and 'plain' graphs, with a summary of each report."""
-    from service.optimizer import OptimizerConfig, optimize
+REPORT_KEYS = ("nodes_before", "nodes_after", "ops_after", "max_abs_diff", "duration_s")
 
-    candidates, reports = {}, {}
+
+def optimized(model: Any, library: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Our optimizer's 'fused' (FusedConv allowed) and 'plain' graphs, and with ``library`` (the fused-op
+    library) 'onnxcnn' (plain lowered to its operators, verified as the server's optimizer child does), with a
+    summary of each report."""
+    from service.optimizer import OptimizerConfig, optimize
+    from service.optimizer.fused_ops import lower_verified
+
+    candidates, reports, made = {}, {}, {}
     for name, fused in (("fused", True), ("plain", False)):
         try:
-            candidates[name], report = optimize(model, OptimizerConfig(fused_conv=fused))
-            reports[name] = {k: getattr(report, k) for k in (
-                "nodes_before", "nodes_after", "ops_after", "max_abs_diff", "duration_s")}
+            config = OptimizerConfig(fused_conv=fused)
+            candidates[name], report = optimize(model, config)
+            made[name] = (config, report)
+            reports[name] = {k: getattr(report, k) for k in REPORT_KEYS}
         except Exception as exc:  # the optimizer may still be in progress: bench the export instead
             log.error("optimizer (%s) failed: %s", name, exc)
             reports[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if library is not None and "plain" in made:
+        try:
+            lowered = lower_verified(model, candidates["plain"], made["plain"][1], made["plain"][0], library)
+            if lowered is not None:
+                candidates["onnxcnn"] = lowered[0]
+                reports["onnxcnn"] = {k: getattr(lowered[1], k) for k in REPORT_KEYS}
+        except Exception as exc:  # the fused ops are optional, as in the server
+            log.error("fused-op lowering failed: %s", exc)
+            reports["onnxcnn"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     if not candidates:
         candidates["plain"] = model
     return candidates, reports
 
 
 def prepare_models(names: list[str], *, use_torch: bool, image: int, directory: Path,
-                   payload: dict[str, Any]) -> dict[str, dict[str, str]]:
+                   payload: dict[str, Any], library: str | None = None) -> dict[str, dict[str, str]]:
     """Export (zoo models with --cpu-smoke) and optimize every model on the CPU; save the graphs for the workers.
 
     Returns {model: {"export" | candidate name: path}}; a model that fails here is recorded and left out.
@@ -255,7 +271,7 @@ def prepare_models(names: list[str], *, use_torch: bool, image: int, directory: 
     for name in names:
         try:
             exported = export_onnx(sources[name], image) if use_torch else zoo_onnx(name)
-            candidates, payload["optimizer"][name] = optimized(exported)
+            candidates, payload["optimizer"][name] = optimized(exported, library)
         except Exception as exc:
             traceback.print_exc()
             payload["errors"][f"prepare-{name}"] = f"{type(exc).__name__}: {exc}"[:1000]
@@ -373,7 +389,7 @@ def _ort_settings(spec: dict[str, Any]) -> Any:
     from service.runtime.device import resolve_device
 
     settings = EngineOptions(device="cuda" if spec["cuda"] else "cpu", buckets=tuple(spec["batches"]),
-                             cudnn_conv_algo_search="EXHAUSTIVE")
+                             cudnn_conv_algo_search="EXHAUSTIVE", fused_ops_library=spec.get("fused_ops_library"))
     resolve_device(settings)
     return settings
 
@@ -940,6 +956,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", default="fp32,fp16",
                    help="our engines' precisions to bench: fp32, fp16, auto (fp16 and auto: a worker per model)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the JSON goes (default bench/results)")
+    p.add_argument("--fused-ops-library", default="auto",
+                   help="as SERVICE_FUSED_OPS_LIBRARY: auto (kernels/build/libonnxcnn_ops.so when built), off, a path; "
+                        "where given, our engines' tuner also times the graph lowered to the fused operators")
     p.add_argument("--simulate-crash", default=None, help=argparse.SUPPRESS)  # WORKER[:N], see _crash_at
     args = p.parse_args(argv)
     if args.cpu_smoke or args.cpu_torch:
@@ -953,8 +972,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.out_dir is None:
             args.out_dir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     args.mode = "cpu-smoke" if args.cpu_smoke else ("cpu-torch" if args.cpu_torch else "gpu")
+    args.fused_ops_library_file = library_file(args.fused_ops_library)
     args.out_dir = args.out_dir or RESULTS_DIR
     return args
+
+
+def library_file(setting: str) -> str | None:
+    """The fused-op library a --fused-ops-library value names (the service's own rule)."""
+    from service.settings import ServiceSettings
+
+    return ServiceSettings(fused_ops_library=setting, demo_model=False).fused_ops_library_file
 
 
 def run_payload(args: argparse.Namespace) -> dict[str, Any]:
@@ -970,6 +997,8 @@ def run_payload(args: argparse.Namespace) -> dict[str, Any]:
         "weights": "random (seed 0), BatchNorm running stats calibrated on random inputs",
         "image": args.image, "mode": args.mode}
     payload["settings"] = {"ours": "EXHAUSTIVE, CUDA graph per bucket, IO binding",
+                           "fused_ops_library": Path(args.fused_ops_library_file).name if args.fused_ops_library_file
+                           else None,
                            "ort_default": "ENABLE_ALL, EXHAUSTIVE, IO binding, no CUDA graph"}
     return payload
 
@@ -979,6 +1008,7 @@ def worker_spec(args: argparse.Namespace, name: str, models: list[str],
     return {"cuda": args.mode == "gpu", "models": models, "batches": [int(b) for b in args.batches.split(",")],
             "image": args.image, "warmup": args.warmup, "tune_budget_s": args.tune_budget_s,
             "precisions": args.precisions.split(","), "files": {m: files[m] for m in models} if files else {},
+            "fused_ops_library": args.fused_ops_library_file,
             "crash_at": _crash_at(args.simulate_crash, name), **extra}
 
 
@@ -1047,7 +1077,7 @@ def orchestrate(args: argparse.Namespace, head: dict[str, Any]) -> int:
     try:
         compiling, compile_until = start_compile_workers(run, args, names)
         files = prepare_models(names, use_torch=args.mode != "cpu-smoke", image=args.image, directory=graphs,
-                               payload=run.payload)
+                               payload=run.payload, library=args.fused_ops_library_file)
         if files:
             run.start("counts", setup_counts, worker_spec(args, "counts", list(files), files))
         for name in compiling:

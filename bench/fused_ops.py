@@ -10,7 +10,7 @@ Phases, in this order (the orchestrator, this process, never touches CUDA; each 
 its own, see bench/fused_ops_workers.py for why):
 build     ``kernels.build.build(force=True)`` with the machine's nvcc: sm_90 + compute_90 PTX, and the
           selftest binary (kernels/src/selftest.cu).
-check     every fused op (odd shapes at batch 1 and 3, MobileNetV3-Large's at 1 and 8) against the numpy
+check     every fused op (odd shapes at batch 1 and 3, MobileNetV3-Large's at 1, 8 and 64) against the numpy
           reference and against ONNX Runtime's own CUDA kernels of the unfused subgraph (TF32 off), with
           the rule of kernels.reference (|diff| <= 1e-5 + 1e-4 |want|); and its CUDA-graph replay against a
           plain run, again after new inputs. The rewrite itself comes from the optimizer pass.

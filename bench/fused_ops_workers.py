@@ -162,7 +162,8 @@ def lowered(model: onnx.ModelProto, expected: int) -> onnx.ModelProto:
 def check_cases(quick: bool) -> list[tuple[graphs.DwSpec | graphs.SeSpec, int]]:
     odd = [(spec, batch) for spec in (*ODD_DW, *ODD_SE) for batch in ((1,) if quick else (1, 3))]
     mnv3 = [spec for spec, _count in (*graphs.MNV3_DW, *graphs.MNV3_SE)]
-    return odd + [(spec, batch) for spec in (mnv3[:3] + mnv3[-2:] if quick else mnv3) for batch in (1, 8)]
+    batches = (1, 8) if quick else (1, 8, 64)  # the served buckets' ends and a middle one
+    return odd + [(spec, batch) for spec in (mnv3[:3] + mnv3[-2:] if quick else mnv3) for batch in batches]
 
 
 def check_case(spec: graphs.DwSpec | graphs.SeSpec, batch: int, library: str, cuda: bool,

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
 #   bench/gpu_session.sh PART [PART...]
-# PART: check | triton | tests | fused | cold | coldwarm | coldfresh | engine | service | all
+# PART: check | triton | tests | fused | fault | kbuild | census | cold | coldwarm | coldfresh | engine | service | all
 #   check       nvidia-smi, versions, httptools
 #   triton      installs Triton's server (.gpu/triton/nvidia_pytriton-*.whl, staged by bench/stage_triton.sh and
 #               carried in a call of its own: the script's header says how) into /tmp/site once, and checks that
 #               the Python backend's stub for python3 finds its libraries (libpython among them)
-#   tests       pytest tests/gpu
+#   tests       pytest ${TESTS:-tests/gpu}
 #   fused       bench/fused_ops.py (the fused CUDA operators: build, check, model timing; FUSED_PHASES)
 #   cold        bench/coldstart.py --store both: COLD_RUNS warm-store starts (COLD_PARALLEL at once), then
 #               COLD_RUNS fresh-store starts (COLD_PARALLEL_FRESH at once); no start begins after
 #               COLD_DEADLINE_S, and the file is rewritten after every start (COLD_ENV: extra --env SERVICE_X=Y)
 #   coldwarm    the warm-store half of cold alone; coldfresh the fresh-store half alone
-#   engine      bench/engine.py (ENGINE_ARGS)
+#   fault       bench/nchw_fault.py (FAULT_DEADLINE_S): which NCHW configurations fault the GPU, sanitized
+#   kbuild      python3 -m kernels.build (the fused-op library; skipped when already built from these sources)
+#   census      bench/kernel_census.py: kernels per batch-1 inference, before/after the fused ops where built
+#   engine      bench/engine.py (ENGINE_ARGS; the tuner also times the fused-op variant where it is built)
 #   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS, ROUNDS); SERVERS defaults to
 #               client_ceiling,service,service_workers, plus triton where the triton part installed it (then
 #               Triton and our servers run side by side in ROUNDS alternating rounds: e.g. SERIES=binary,grpc)
@@ -71,7 +74,7 @@ print("\n".join(line for line in libs.splitlines() if "python" in line or "not f
 PY
       ;;
     tests|all)
-      run gpu-tests "${TESTS_TIMEOUT_S:-300}" python3 -m pytest tests/gpu -q -p no:cacheprovider ;;&
+      run gpu-tests "${TESTS_TIMEOUT_S:-300}" python3 -m pytest ${TESTS:-tests/gpu} -q -p no:cacheprovider ;;&
     fused|all)
       run fused-ops "${FUSED_TIMEOUT_S:-340}" python3 bench/fused_ops.py --deadline-s "${FUSED_DEADLINE_S:-300}" \
         --phases "${FUSED_PHASES:-build,check,model}" --out "$S/fused-ops.json" ;;&
@@ -90,6 +93,13 @@ PY
       run coldstart-fresh "${COLD_TIMEOUT_S:-555}" python3 bench/coldstart.py --store fresh --runs "${COLD_RUNS:-30}" \
         --parallel "${COLD_PARALLEL_FRESH:-5}" --ready-timeout-s 150 --deadline-s "${COLD_DEADLINE_S:-400}" \
         ${COLD_ENV:-} --out "$S/coldstart-fresh.json" ;;&
+    fault)
+      run nchw-fault "${FAULT_TIMEOUT_S:-300}" python3 bench/nchw_fault.py --deadline-s "${FAULT_DEADLINE_S:-150}" \
+        --out "$S/nchw-fault.json" ;;&
+    kbuild)
+      run kernels-build "${KBUILD_TIMEOUT_S:-200}" python3 -m kernels.build --no-fetch ;;&
+    census)
+      run kernel-census "${CENSUS_TIMEOUT_S:-150}" python3 bench/kernel_census.py --out "$S/kernel-census.json" ;;&
     engine|all)
       run engine "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
         --out-dir "$S" ${ENGINE_ARGS:-} ;;&
@@ -100,7 +110,7 @@ sys.exit(T.find() is None)' 2>/dev/null && servers=$servers,triton
       run service "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
         --servers "${SERVERS:-$servers}" --workers "${WORKERS:-4}" --rounds "${ROUNDS:-2}" \
         --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$S/service-cuda.json" ;;&
-    check|triton|tests|fused|cold|coldwarm|coldfresh|engine|service|all) ;;
+    check|triton|tests|fused|fault|kbuild|census|cold|coldwarm|coldfresh|engine|service|all) ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

@@ -33,25 +33,32 @@ ZOO = {"mnv3": "mobilenet_v3_large", "resnet50": "resnet50"}
 RUNS = 20
 
 
-def graphs(name: str) -> dict[str, onnx.ModelProto]:
-    """fp32 and fp16 of our plain optimized graph (the variant the tuner chose on the H200)."""
+def graphs(name: str, library: str | None = None) -> dict[str, tuple[onnx.ModelProto, bool]]:
+    """{row: (graph, prefer_nhwc)}: fp32 and fp16 of our plain optimized graph (the variant the tuner chose on the
+    H200) in NHWC, and with ``library`` also plain fp32 in NCHW and plain lowered to the fused operators
+    ("fp32-onnxcnn", NCHW: their layout), the before and after of the fused kernels."""
     from service import zoo
     from service.optimizer import OptimizerConfig, optimize
+    from service.optimizer.fused_ops import apply_fused_ops, fused_op_count
     from service.runtime.precision import to_fp16
 
     plain, _ = optimize(zoo.build(ZOO[name]), OptimizerConfig(fused_conv=False, verify=False))
-    return {"fp32": plain, "fp16": to_fp16(plain)}
+    rows = {"fp32": (plain, True), "fp16": (to_fp16(plain), True)}
+    lowered, _ = apply_fused_ops(plain)
+    if library is not None and fused_op_count(lowered):
+        rows |= {"fp32-nchw": (plain, False), "fp32-onnxcnn": (lowered, False)}
+    return rows
 
 
-def census(model: onnx.ModelProto) -> dict[str, Any]:
+def census(model: onnx.ModelProto, prefer_nhwc: bool = True, library: str | None = None) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from service.runtime.contract import EngineOptions, random_feeds
     from service.runtime.engine import OrtEngine
 
-    settings = EngineOptions(device="cuda", buckets=(1,), cuda_graph=False)
-    with OrtEngine.load(model, settings, prefer_nhwc=True, variant="census") as engine:
+    settings = EngineOptions(device="cuda", buckets=(1,), cuda_graph=False, fused_ops_library=library)
+    with OrtEngine.load(model, settings, prefer_nhwc=prefer_nhwc, variant="census") as engine:
         feeds = random_feeds(engine.signature.inputs, 1, np.random.default_rng(0))
         for _ in range(10):
             engine.run(feeds)
@@ -84,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="mnv3,resnet50")
     parser.add_argument("--dry-run", action="store_true", help="build the graphs, profile nothing (no GPU)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--fused-ops-library", default="auto", help="as SERVICE_FUSED_OPS_LIBRARY (auto, off, a "
+                        "path): where given, also the rows before (plain NCHW) and after the fused operators")
     args = parser.parse_args(argv)
+    from service.settings import ServiceSettings
+
+    library = ServiceSettings(fused_ops_library=args.fused_ops_library, demo_model=False).fused_ops_library_file
     if not args.dry_run:
         from service.runtime.device import cuda_status
 
@@ -95,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     head = header()
     rows, details = [], {}
     for name in [m for m in args.models.split(",") if m]:
-        for precision, model in graphs(name).items():
+        for precision, (model, nhwc) in graphs(name, library).items():
             if args.dry_run:
                 rows.append({"model": name, "precision": precision, "nodes": len(model.graph.node)})
                 continue
             try:
-                result = census(model)
+                result = census(model, nhwc, library)
             except Exception as exc:  # a crashing configuration must not cost the others
                 result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             details[f"{name}/{precision}"] = result
