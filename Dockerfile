@@ -15,6 +15,26 @@
 # brings Python 3.12. On a host without a GPU the same image serves on the CPU provider
 # (SERVICE_DEVICE=cpu; compose profile "cpu").
 ARG BASE_IMAGE=nvidia/cuda:13.0.3-cudnn-runtime-ubuntu24.04
+# The fused CUDA operators (kernels/) are compiled with the same CUDA release's toolkit image, for these GPU
+# generations (A100, A10/RTX 30, L4/RTX 40, H100/H200); the library links the CUDA runtime statically.
+ARG KERNELS_IMAGE=nvidia/cuda:13.0.3-devel-ubuntu24.04
+ARG KERNEL_ARCHS=80,86,89,90
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: libonnxcnn_ops.so, the ai.onnxcnn fused operators. ONNX Runtime's headers come from one
+# pinned Debian archive, checked by size and sha256 (kernels/ort_headers.py); nothing else is fetched.
+# ---------------------------------------------------------------------------------------------
+FROM ${KERNELS_IMAGE} AS kernels
+ARG KERNEL_ARCHS
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 g++ ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY kernels ./kernels
+RUN python3 -m kernels.build --archs "${KERNEL_ARCHS}" --out-dir /opt/onnxcnn \
+    && rm -rf /opt/onnxcnn/ort-include
 
 # ---------------------------------------------------------------------------------------------
 # Builder: a virtual environment in /opt/venv with the dependencies, then the package.
@@ -75,6 +95,7 @@ RUN apt-get update \
 
 # The venv stays owned by root: the service user cannot modify its own code.
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=kernels /opt/onnxcnn/libonnxcnn_ops.so /opt/onnxcnn/libonnxcnn_ops.so
 COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/entrypoint.sh
 
 # SERVICE_HOST=0.0.0.0: inside the container the server must listen on the container's own network
@@ -87,7 +108,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     SERVICE_HOST=0.0.0.0 \
     SERVICE_PORT=8000 \
     SERVICE_GRPC_PORT=8001 \
-    SERVICE_MODEL_DIR=/models
+    SERVICE_MODEL_DIR=/models \
+    SERVICE_FUSED_OPS_LIBRARY=/opt/onnxcnn/libonnxcnn_ops.so
 
 # Uploaded models, their optimized forms and metadata: keep them across container restarts.
 VOLUME ["/models"]

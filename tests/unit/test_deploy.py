@@ -104,8 +104,23 @@ def test_runtime_stage_runs_as_non_root_with_volume_port_and_signal(
     assert json.loads(next(a for w, a in final if w == "CMD")) == ["serve"]
 
 
+def test_the_fused_op_library_is_built_in_its_own_stage_and_served(instructions: list[tuple[str, str]]) -> None:
+    """The kernels stage builds with the toolkit image; the runtime image takes only the library and names it."""
+    stages = [a for w, a in instructions if w == "FROM"]
+    assert any(a.startswith("${KERNELS_IMAGE}") and a.endswith("AS kernels") for a in stages)
+    image = next(a for w, a in instructions if w == "ARG" and a.startswith("KERNELS_IMAGE="))
+    assert re.fullmatch(r"KERNELS_IMAGE=nvidia/cuda:13\.\d+\.\d+-devel-ubuntu24\.04", image), image
+    build = next(a for w, a in instructions if w == "RUN" and "kernels.build" in a)
+    assert "--out-dir /opt/onnxcnn" in build
+    final = _final_stage(instructions)
+    copied = next(a for w, a in final if w == "COPY" and "--from=kernels" in a).split()
+    library = _env(final)["SERVICE_FUSED_OPS_LIBRARY"]
+    assert copied[-1] == library == "/opt/onnxcnn/libonnxcnn_ops.so"
+
+
 def test_runtime_env_parses_into_the_settings(instructions: list[tuple[str, str]]) -> None:
     env = {k: v for k, v in _env(_final_stage(instructions)).items() if k.startswith("SERVICE_")}
+    del env["SERVICE_FUSED_OPS_LIBRARY"]  # a file of the image (the test above), refused here where it is missing
     settings = _settings_from_env(env)
     assert settings.host == "0.0.0.0"
     assert settings.port == 8000
