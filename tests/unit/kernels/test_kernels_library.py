@@ -116,25 +116,7 @@ def test_se_weights_of_the_wrong_shape_fail_with_a_clear_message(cpu_library):
         library_session(model, cpu_library).run(None, {"x": np.zeros((1, 8, 4, 4), np.float32)})
 
 
-def test_probe_says_usable_on_the_cpu_provider(cpu_library):
-    status = runtime_fused_ops.probe(cpu_library, provider="CPUExecutionProvider")
-    assert status.usable, status.reason
-    assert status.build_info is not None and "ORT API" in status.build_info
-
-
-def test_probe_catches_wrong_numbers(cpu_library, monkeypatch):
-    """A library whose operators disagree with the standard operators is not usable."""
-    real = runtime_fused_ops._probe_model
-
-    def skewed(*, fused: bool):
-        model = real(fused=fused)
-        if not fused:
-            mul = next(n for n in model.graph.node if n.op_type == "Mul")
-            mul.input[0] = "c"  # scale the conv output before the activation: other numbers
-        return model
-
-    monkeypatch.setattr(runtime_fused_ops, "_probe_model", skewed)
-    runtime_fused_ops._probe_cached.cache_clear()
-    status = runtime_fused_ops.probe(cpu_library, provider="CPUExecutionProvider")
-    runtime_fused_ops._probe_cached.cache_clear()
-    assert not status.usable and "wrong results" in status.reason
+def test_the_library_loads_and_names_itself(cpu_library):
+    assert runtime_fused_ops.library_loads(cpu_library)
+    info = runtime_fused_ops.build_info(cpu_library)
+    assert info is not None and "ORT API" in info

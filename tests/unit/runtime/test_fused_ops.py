@@ -1,51 +1,31 @@
-"""service.runtime.fused_ops.probe: never raises, says why a library is not usable. (A usable library on the
-CPU provider: tests/unit/kernels/test_kernels_library.py; on CUDA: bench/fused_ops.py on the GPU machine.)"""
+"""service.runtime.fused_ops: whether the library loads here, without CUDA and without raising. (The library
+built and served on the CPU provider: tests/unit/kernels; on CUDA: tests/gpu/test_gpu_fused_ops.py.)"""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+
+from onnx import helper
 
 from service.runtime import fused_ops
-from service.runtime.device import cuda_status
-
-CPU = "CPUExecutionProvider"
 
 
-def test_no_path_is_not_usable():
-    status = fused_ops.probe(None)
-    assert not status.usable and "no fused-op library" in status.reason
+def test_no_path_does_not_load() -> None:
+    assert not fused_ops.library_loads(None)
 
 
-def test_missing_file_is_named_without_its_directory(tmp_path):
-    status = fused_ops.probe(tmp_path / "libonnxcnn_ops.so", provider=CPU)
-    assert not status.usable
-    assert "libonnxcnn_ops.so not found" in status.reason and str(tmp_path) not in status.reason
-
-
-def test_a_directory_is_not_a_library(tmp_path):
-    status = fused_ops.probe(tmp_path, provider=CPU)
-    assert not status.usable and "is not a file" in status.reason
-
-
-def test_a_file_that_is_no_library_is_reported_not_raised(tmp_path):
+def test_a_missing_file_a_directory_and_a_non_library_do_not_load(tmp_path: Path) -> None:
     bogus = tmp_path / "libbogus.so"
     bogus.write_bytes(b"not an ELF file")
-    status = fused_ops.probe(bogus, provider=CPU)
-    assert not status.usable and status.build_info is None
-    assert status.reason.startswith("fused-op library unusable on CPUExecutionProvider")
-    assert str(tmp_path) not in status.reason
+    for path in (tmp_path / "libonnxcnn_ops.so", tmp_path, bogus):
+        assert not fused_ops.library_loads(path)
+        assert fused_ops.build_info(path) is None
 
 
-def test_unknown_provider(tmp_path):
-    bogus = tmp_path / "lib.so"
-    bogus.write_bytes(b"x")
-    status = fused_ops.probe(bogus, provider="TensorrtExecutionProvider")
-    assert not status.usable and "unsupported provider" in status.reason
+def test_a_graph_uses_the_fused_ops_by_their_domain() -> None:
+    def model(domain: str):
+        node = helper.make_node("SqueezeExcite", ["x"], ["y"], domain=domain)
+        return helper.make_model(helper.make_graph([node], "g", [], []))
 
-
-@pytest.mark.skipif(cuda_status()[0], reason="CUDA is usable here")
-def test_cuda_probe_without_cuda_says_so(tmp_path):
-    bogus = tmp_path / "lib.so"
-    bogus.write_bytes(b"x")
-    status = fused_ops.probe(bogus)
-    assert not status.usable and status.reason.startswith("CUDA not usable")
+    assert fused_ops.uses_fused_ops(model("ai.onnxcnn"))
+    assert not fused_ops.uses_fused_ops(model(""))
