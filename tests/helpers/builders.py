@@ -265,6 +265,12 @@ def custom_domain() -> bytes:
     return _add_model([node], opsets=[*OPSET, helper.make_opsetid("evil.ops", 1)]).SerializeToString()
 
 
+def fused_op_domain() -> bytes:
+    """An upload holding the project's own fused operators: refused like any custom domain."""
+    node = helper.make_node("SqueezeExcite", ["x", "x", "x", "x", "x"], ["y"], domain="ai.onnxcnn")
+    return _add_model([node], opsets=[*OPSET, helper.make_opsetid("ai.onnxcnn", 1)]).SerializeToString()
+
+
 def constant_of_shape_bomb() -> bytes:
     """~250 bytes: ConstantOfShape of a 40 GB constant shape (foldable), reduced and added to the input."""
     shape = numpy_helper.from_array(np.array([50_000, 50_000, 4], np.int64), "shape")

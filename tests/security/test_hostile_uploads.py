@@ -65,6 +65,7 @@ HOSTILE: list[tuple[str, Callable[[], bytes], int, str]] = [
     ("ext-constant-sparse", lambda: builders.external_constant("a/../../x", sparse=True), 400, "external data"),
     ("ext-subgraph", lambda: builders.external_in_subgraph("../../etc/passwd"), 400, "external data"),
     ("custom-domain", builders.custom_domain, 400, "evil.ops"),
+    ("fused-op-domain", builders.fused_op_domain, 400, "ai.onnxcnn"),  # only the optimizer writes these
     ("bomb-constantofshape", builders.constant_of_shape_bomb, 422, "memory limit"),
     ("bomb-expand", builders.expand_bomb, 422, "memory limit"),
     ("bomb-value-dependent", builders.value_dependent_bomb, 400, "values of the model's inputs"),
