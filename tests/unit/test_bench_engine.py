@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from kernel_library import cpu_library  # noqa: E402, F401 (a fixture)
+
 from bench import engine  # noqa: E402
 
 
@@ -57,3 +59,17 @@ def test_a_dead_worker_is_recorded_and_the_others_are_measured(tmp_path):
     assert all(r["x_vs_eager"] > 0 for r in rows)
     assert "good: set up" in run.payload["skipped"]
     assert not any(w.process.is_alive() for w in run.workers.values())
+
+
+def test_with_the_library_the_lowered_variant_is_a_candidate(cpu_library):  # noqa: F811
+    """The bench makes the variant as the server does (lowered, verified) and passes the library to the tuner."""
+    from kernels import graphs
+
+    model = graphs.se_model(graphs.SeSpec(16, 6, 6, 8), copies=2)
+    candidates, reports = engine.optimized(model, str(cpu_library))
+    assert set(candidates) >= {"plain", "onnxcnn"}
+    assert reports["onnxcnn"]["ops_after"] == {"ai.onnxcnn.SqueezeExcite": 2}
+    assert reports["onnxcnn"]["max_abs_diff"] is not None
+    without, _ = engine.optimized(model)
+    assert "onnxcnn" not in without
+    assert engine.library_file("off") is None and engine.library_file(str(cpu_library)) == str(cpu_library)
