@@ -466,7 +466,11 @@ class H11Guard(_Guard, H11Protocol):
         self.conn = _BoundedConnection(self.limits, self._head_complete)
 
     def _reading_head(self) -> bool:
-        return self.conn.their_state is not h11.SEND_BODY
+        """Only a connection waiting for a request parses a head: bytes that arrive while a whole request is
+        being answered (their state DONE) stay unparsed in h11's buffer until the answer is complete (and
+        reading pauses), so they are passed on uncounted; h11 bounds that head once it parses it
+        (``max_incomplete_event_size``). Counting them refused the body of a request pipelined there."""
+        return self.conn.their_state is h11.IDLE
 
     def _head_pending(self) -> bool:
         return self._head_bytes > 0 and self.conn.their_state is h11.IDLE
