@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import OptimizationError, VerificationError
+from service.runtime.fused_ops import VARIANT
 
 log = logging.getLogger(__name__)
 
 FUSED_FILE = "optimized.onnx"
 PLAIN_FILE = "optimized-plain.onnx"
-KERNELS = "onnxcnn"
-"""The variant lowered to the ai.onnxcnn fused operators (``runtime.tuner.KERNELS_VARIANT``)."""
+KERNELS = VARIANT
+"""The variant lowered to the ai.onnxcnn fused operators."""
 KERNELS_FILE = "optimized-onnxcnn.onnx"
 _MEMORY_WORDS = ("bad_alloc", "failed to allocate", "cannot allocate memory", "memoryerror", "out of memory")
 

@@ -15,6 +15,8 @@ import os
 from onnx import ModelProto
 
 DOMAIN = "ai.onnxcnn"
+VARIANT = "onnxcnn"
+"""The optimized variant lowered to these operators (made on a GPU where the library loads)."""
 
 
 def build_info(path: str | os.PathLike[str]) -> str | None:
@@ -40,4 +42,4 @@ def uses_fused_ops(model: ModelProto) -> bool:
     return any(node.domain == DOMAIN for node in model.graph.node)
 
 
-__all__ = ["DOMAIN", "build_info", "library_loads", "uses_fused_ops"]
+__all__ = ["DOMAIN", "VARIANT", "build_info", "library_loads", "uses_fused_ops"]

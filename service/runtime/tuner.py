@@ -35,6 +35,7 @@ from service.runtime.cpu_tuner import select_cpu
 from service.runtime.cuda_configs import Config, has_fused_conv, load_config
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
+from service.runtime.fused_ops import VARIANT as FUSED_OPS_VARIANT
 from service.runtime.fused_ops import library_loads, uses_fused_ops
 from service.runtime.openvino import status as openvino_status
 from service.runtime.precision import REL_L2_TOLERANCE, check_fp16
@@ -264,7 +265,7 @@ def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: E
 
 ALL_VARIANTS = frozenset({"fused", "plain"})
 """The variants made without the fused-op library (every one a CPU machine may serve)."""
-KERNELS_VARIANT = "onnxcnn"
+KERNELS_VARIANT = FUSED_OPS_VARIANT
 """plain lowered to the ai.onnxcnn fused operators (``optimizer.fused_ops``): made and timed on a GPU only."""
 
 
