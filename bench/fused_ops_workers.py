@@ -83,8 +83,9 @@ def make_session(model: onnx.ModelProto, library: str, cuda_options: dict[str, s
     options.register_custom_ops_library(library)
     if cuda_options is None:
         return ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
+    # the CUDA provider alone: ORT 1.31 refuses a CPU provider listed beside a disabled CPU fallback
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=[(CUDA, cuda_options), CPU])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=[(CUDA, cuda_options)])
     if session.get_providers()[0] != CUDA:
         raise RuntimeError("onnxruntime did not start the CUDA provider")
     return session
