@@ -7,7 +7,8 @@ Plumbing check without a GPU (the same configurations on the CPU provider; nothi
 
 The zoo MobileNetV3-Large optimized "plain" (what the tuner times as ``plain/nchw/fp32``) and the same graph
 lowered to the fused operators (``onnxcnn/nchw/fp32``) are each loaded by the service's own engine
-(``runtime.cuda_configs.load_config``: buckets {1}) in a process of its own, warmed, replayed REPLAYS times and
+(``runtime.cuda_configs.load_config``: buckets {1}, or {1, 64} as the tuner's children capture them) in a process
+of its own, warmed, replayed REPLAYS times and
 compared with ORT's CPU provider (rel L2), for every configuration in CONFIGS: layout, CUDA graphs on/off,
 cuDNN search EXHAUSTIVE/HEURISTIC/DEFAULT and the CUDA module loading (lazy, the default since CUDA 12.2, or
 eager: a kernel first loaded while a graph is captured is one suspect). A process that dies reports its first
@@ -54,11 +55,14 @@ class Case:
     graph: bool = True
     search: str = "EXHAUSTIVE"
     loading: str = "LAZY"
+    buckets: tuple[int, ...] = (1,)
+    """(1, 64): a CUDA graph per bucket in one session, as the tuner's children capture them."""
 
     @property
     def key(self) -> str:
-        return "/".join([self.variant, "nhwc" if self.nhwc else "nchw", "graph" if self.graph else "no-graph",
-                         self.search.lower(), self.loading.lower()])
+        parts = [self.variant, "nhwc" if self.nhwc else "nchw", "graph" if self.graph else "no-graph",
+                 self.search.lower(), self.loading.lower()]
+        return "/".join(parts + ([f"b{'-'.join(map(str, self.buckets))}"] if self.buckets != (1,) else []))
 
 
 # The tuner's failing candidate first, then one factor changed at a time; the NHWC control last.
@@ -69,6 +73,8 @@ CONFIGS = (
     Case("onnxcnn", graph=False), Case("onnxcnn", loading="EAGER"),
     Case("plain", nhwc=True),
     Case("plain", graph=False, search="HEURISTIC"), Case("onnxcnn", search="HEURISTIC", loading="EAGER"),
+    Case("plain", buckets=(1, 64)), Case("plain", search="HEURISTIC", buckets=(1, 64)),
+    Case("onnxcnn", buckets=(1, 64)), Case("plain", nhwc=True, buckets=(1, 64)),
 )
 
 
@@ -101,8 +107,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from service.runtime.contract import EngineOptions
     from service.runtime.cuda_configs import Config, load_config
 
-    case = Case(**spec["case"])
-    options = EngineOptions(device=spec["device"], buckets=(1,), cudnn_conv_algo_search=case.search,
+    case = Case(**{**spec["case"], "buckets": tuple(spec["case"]["buckets"])})
+    options = EngineOptions(device=spec["device"], buckets=case.buckets, cudnn_conv_algo_search=case.search,
                             fused_ops_library=spec["library"])
     model = onnx.load(spec["file"])
     x, want = np.load(spec["x"]), np.load(spec["want"])
@@ -111,10 +117,13 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     with load_config(model, config, options) as engine:
         loaded_s = time.perf_counter() - started
         name = engine.signature.inputs[0].name
+        diff = 0.0
         for _ in range(spec["replays"]):
-            got = next(iter(engine.run({name: x}).values()))
+            for bucket in case.buckets:  # every row of a bucket is the same image: each must give want
+                got = next(iter(engine.run({name: np.repeat(x, bucket, axis=0)}).values()))
+                error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want) / bucket**0.5
+                diff = max(diff, float(error))
         described = engine.describe()
-    diff = float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
     return {"ok": diff <= REL_L2_OK, "rel_l2": diff, "load_s": round(loaded_s, 2),
             "cuda_graph": described.get("cuda_graph"), "graph_fallback": described.get("graph_fallback")}
 
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     cases = [c for c in CONFIGS if c.variant in files]
     if args.dry_run:  # one of each variant, with and without graphs (which the CPU provider ignores)
-        cases = [c for c in cases if c.search == "EXHAUSTIVE" and c.loading == "LAZY" and not c.nhwc]
+        cases = [c for c in cases if c.search == "EXHAUSTIVE" and c.loading == "LAZY" and not c.nhwc
+                 and c.buckets == (1,)]
     rows, first_fault = [], None
     for case in cases:
         if time.monotonic() - started > args.deadline_s:
