@@ -65,16 +65,16 @@ class Case:
         return "/".join(parts + ([f"b{'-'.join(map(str, self.buckets))}"] if self.buckets != (1,) else []))
 
 
-# The tuner's failing candidate first, then one factor changed at a time; the NHWC control last.
+# The tuner's failing candidate first (one bucket, then the tuner's two), then one factor changed at a time.
 CONFIGS = (
-    Case("plain"), Case("plain", search="HEURISTIC"), Case("plain", search="DEFAULT"), Case("plain", graph=False),
+    Case("plain"), Case("plain", buckets=(1, 64)), Case("onnxcnn", buckets=(1, 64)),
+    Case("plain", search="HEURISTIC", buckets=(1, 64)), Case("plain", nhwc=True, buckets=(1, 64)),
+    Case("plain", search="HEURISTIC"), Case("plain", search="DEFAULT"), Case("plain", graph=False),
     Case("plain", loading="EAGER"),
     Case("onnxcnn"), Case("onnxcnn", search="HEURISTIC"), Case("onnxcnn", search="DEFAULT"),
     Case("onnxcnn", graph=False), Case("onnxcnn", loading="EAGER"),
     Case("plain", nhwc=True),
     Case("plain", graph=False, search="HEURISTIC"), Case("onnxcnn", search="HEURISTIC", loading="EAGER"),
-    Case("plain", buckets=(1, 64)), Case("plain", search="HEURISTIC", buckets=(1, 64)),
-    Case("onnxcnn", buckets=(1, 64)), Case("plain", nhwc=True, buckets=(1, 64)),
 )
 
 
