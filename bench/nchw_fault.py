@@ -10,7 +10,7 @@ lowered to the fused operators (``onnxcnn/nchw/fp32``) are each loaded by the se
 (``runtime.cuda_configs.load_config``: buckets {1}, or {1, 64} as the tuner's children capture them) in a process
 of its own, warmed, replayed REPLAYS times and
 compared with ORT's CPU provider (rel L2), for every configuration in CONFIGS: layout, CUDA graphs on/off,
-cuDNN search EXHAUSTIVE/HEURISTIC/DEFAULT and the CUDA module loading (lazy, the default since CUDA 12.2, or
+cuDNN search EXHAUSTIVE/HEURISTIC/DEFAULT, the provider's conv-bias fusion and the CUDA module loading (lazy, the default since CUDA 12.2, or
 eager: a kernel first loaded while a graph is captured is one suspect). A process that dies reports its first
 CUDA error line. Then the first faulting configuration runs again under compute-sanitizer memcheck, which
 names the kernel and the instruction that faulted. Prints a table, writes JSON (nchw-fault-<date>.json).
@@ -57,17 +57,21 @@ class Case:
     loading: str = "LAZY"
     buckets: tuple[int, ...] = (1,)
     """(1, 64): a CUDA graph per bucket in one session, as the tuner's children capture them."""
+    bias: bool = False
+    """The CUDA provider's fuse_conv_bias (cuDNN's runtime-fused conv + bias)."""
 
     @property
     def key(self) -> str:
         parts = [self.variant, "nhwc" if self.nhwc else "nchw", "graph" if self.graph else "no-graph",
                  self.search.lower(), self.loading.lower()]
-        return "/".join(parts + ([f"b{'-'.join(map(str, self.buckets))}"] if self.buckets != (1,) else []))
+        parts += [f"b{'-'.join(map(str, self.buckets))}"] if self.buckets != (1,) else []
+        return "/".join(parts + (["conv-bias-fused"] if self.bias else []))
 
 
 # The tuner's failing candidate first (one bucket, then the tuner's two), then one factor changed at a time.
 CONFIGS = (
-    Case("plain"), Case("plain", buckets=(1, 64)), Case("onnxcnn", buckets=(1, 64)),
+    Case("plain"), Case("plain", bias=True), Case("onnxcnn", bias=True), Case("plain", nhwc=True, bias=True),
+    Case("plain", buckets=(1, 64)), Case("onnxcnn", buckets=(1, 64)),
     Case("plain", search="HEURISTIC", buckets=(1, 64)), Case("plain", nhwc=True, buckets=(1, 64)),
     Case("plain", search="HEURISTIC"), Case("plain", search="DEFAULT"), Case("plain", graph=False),
     Case("plain", loading="EAGER"),
@@ -112,7 +116,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
                             fused_ops_library=spec["library"])
     model = onnx.load(spec["file"])
     x, want = np.load(spec["x"]), np.load(spec["want"])
-    config = Config(case.variant, case.nhwc if spec["device"] == "cuda" else None, "fp32", False, case.graph)
+    config = Config(case.variant, case.nhwc if spec["device"] == "cuda" else None, "fp32", case.bias, case.graph)
     started = time.perf_counter()
     with load_config(model, config, options) as engine:
         loaded_s = time.perf_counter() - started
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CONFIGS if c.variant in files]
     if args.dry_run:  # one of each variant, with and without graphs (which the CPU provider ignores)
         cases = [c for c in cases if c.search == "EXHAUSTIVE" and c.loading == "LAZY" and not c.nhwc
-                 and c.buckets == (1,)]
+                 and c.buckets == (1,) and not c.bias]
     rows, first_fault = [], None
     for case in cases:
         if time.monotonic() - started > args.deadline_s:

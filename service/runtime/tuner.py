@@ -134,7 +134,7 @@ class _Results:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     checks: dict[str, dict[str, dict[str, Any]]] = dataclasses.field(
         default_factory=lambda: {"fp16": {}, "fused_ops": {}})
-    """Per kind ("fp16", "fused_ops"), each variant's check against the model on the CPU provider."""
+    """Per kind ("fp16", "fused_ops"), each configuration's check against the model on the CPU provider."""
     faults: dict[str, str] = dataclasses.field(default_factory=dict)
     """Configurations whose child died with a CUDA fault in this run, and the error."""
 
@@ -185,7 +185,7 @@ def _time_configs(
         else:
             for kind in ("fp16", "fused_ops"):
                 if f"{kind}_check" in outcome:
-                    results.checks[kind][config.variant] = outcome[f"{kind}_check"]
+                    results.checks[kind][config.key] = outcome[f"{kind}_check"]
             if "timing" in outcome:
                 results.timings[config.key] = outcome["timing"]
             else:

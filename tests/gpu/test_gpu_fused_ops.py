@@ -88,6 +88,6 @@ def test_a_gpu_server_makes_checks_and_times_the_fused_variant(tmp_path: Path) -
     variants, record, got = asyncio.run(life())
     assert set(variants) == {"plain", "onnxcnn"}
     assert variants["onnxcnn"].report["verified"]
-    assert record["fused_ops_checks"]["onnxcnn"]["ok"], record
+    assert record["fused_ops_checks"]["onnxcnn/nchw/fp32"]["ok"], record
     assert "onnxcnn/nchw/fp32" in record["timings_ms"], record  # timed against today's best, recorded
     assert rel_l2(got, cpu_outputs(model, x)) < REL_L2

@@ -137,7 +137,7 @@ def test_tuner_times_every_config_and_keeps_the_fastest(candidates: dict[str, on
         timings = record["timings_ms"]
         best = min(timings, key=lambda k: float(np.prod(list(timings[k].values()))))  # same batches for all
         assert engine.variant == Config(**record["choice"]).key == best
-        assert record["fp16_checks"]["plain"]["ok"] is True
+        assert record["fp16_checks"]["plain/nchw/fp16"]["ok"] is True
         assert record["device"] == "test-device" and record["ort_version"] == ort.__version__
         x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float32)
         assert engine.run({"x": x})["y"].shape == (3, 10)
