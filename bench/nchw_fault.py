@@ -7,12 +7,12 @@ Plumbing check without a GPU (the same configurations on the CPU provider; nothi
 
 The zoo MobileNetV3-Large optimized "plain" (what the tuner times as ``plain/nchw/fp32``) and the same graph
 lowered to the fused operators (``onnxcnn/nchw/fp32``) are each loaded by the service's own engine
-(``runtime.cuda_configs.load_config``: buckets {1}, or {1, 64} as the tuner's children capture them) in a process
-of its own, warmed, replayed REPLAYS times and
-compared with ORT's CPU provider (rel L2), for every configuration in CONFIGS: layout, CUDA graphs on/off,
-cuDNN search EXHAUSTIVE/HEURISTIC/DEFAULT, the provider's conv-bias fusion and the CUDA module loading (lazy, the default since CUDA 12.2, or
-eager: a kernel first loaded while a graph is captured is one suspect). A process that dies reports its first
-CUDA error line. Then the first faulting configuration runs again under compute-sanitizer memcheck, which
+(``runtime.cuda_configs.load_config``: buckets {1}, or {1, 64} as the tuner's children capture them) in a
+process of its own, warmed, replayed REPLAYS times and compared with ORT's CPU provider (rel L2), for every
+configuration in CONFIGS: layout, CUDA graphs on/off, cuDNN search EXHAUSTIVE/HEURISTIC/DEFAULT, the
+provider's conv-bias fusion and the CUDA module loading (lazy, the default since CUDA 12.2, or eager: a
+kernel first loaded while a graph is captured is one suspect). A process that dies reports its first CUDA
+error line. Then the first faulting configuration runs again under compute-sanitizer memcheck, which
 names the kernel and the instruction that faulted. Prints a table, writes JSON (nchw-fault-<date>.json).
 """
 
