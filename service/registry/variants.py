@@ -42,6 +42,7 @@ def optimize_variants(
     from service.optimizer.shapes import output_dims
     from service.runtime.contract import Signature
 
+    options = dict(options)
     library = options.pop("fused_ops_library", None)
     first, report = optimize(model, OptimizerConfig(fused_conv="fused" in variants, **options))
     # the outputs' dims as far as shape inference can tell (a segmenter's [N, 21, H, W], not [-1, -1, -1, -1]),
@@ -103,12 +104,12 @@ def _save_variant(model: Any, path: Path, library: str | None = None) -> None:
 
     data = model.SerializeToString()
     options = ort.SessionOptions()
-    if library is not None:
-        options.register_custom_ops_library(library)
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
     try:
+        if library is not None:
+            options.register_custom_ops_library(library)
         ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         if looks_like_oom(str(exc)):
@@ -123,7 +124,6 @@ def write_synced(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
 
 
 def looks_like_oom(text: str) -> bool:

@@ -177,3 +177,13 @@ def test_a_lowered_variant_is_not_served_on_the_cpu_or_without_the_library(cpu_l
     assert set(tuner._servable(candidates, gpu, cuda=True)) == {"plain"}
     assert set(tuner._servable(candidates, gpu.replace(fused_ops_library=str(cpu_library)), cuda=True)) == {
         "plain", "onnxcnn"}
+
+
+def test_a_library_that_does_not_load_costs_the_variant_not_the_upload(tmp_path: Path) -> None:
+    bogus = tmp_path / "libonnxcnn_ops.so"
+    bogus.write_bytes(b"not an ELF file")
+    (tmp_path / "out").mkdir()
+    _, made = made_variants.optimize_variants(block_model(), frozenset({"plain", "onnxcnn"}),
+                                              options(fused_ops_library=str(bogus)), tmp_path / "out")
+    assert set(made) == {"plain", "onnxcnn"} and "file" in made["plain"]
+    assert "does not load" in made["onnxcnn"]["skipped"]
