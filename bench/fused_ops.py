@@ -213,9 +213,10 @@ def ops_prediction(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
 
 
 def sanitizer_errors(output: str) -> int | None:
-    """The error count of compute-sanitizer's summary line, None when there is none."""
-    found = re.findall(r"ERROR SUMMARY:\s*(\d+)\s+error", output)
-    return int(found[-1]) if found else None
+    """The error count of compute-sanitizer's summary line, None when there is none. racecheck prints
+    "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead of "ERROR SUMMARY: E errors"."""
+    found = re.findall(r"ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:.*?\((\d+)\s+error", output)
+    return int(next(filter(None, found[-1]))) if found else None
 
 
 def find_sanitizer(which: Callable[[str], str | None] = shutil.which, nvcc: str | None = None) -> str | None:

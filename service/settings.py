@@ -131,8 +131,8 @@ class ServiceSettings(BaseSettings):
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
     fused_ops_library: str = Field(
-        "auto", **_advanced("The ai.onnxcnn fused CUDA kernels (kernels/, libonnxcnn_ops.so): auto: this "
-                            "checkout's kernels/build/libonnxcnn_ops.so when it is built; off: never; or a path. Where "
+        "auto", **_advanced("The ai.onnxcnn fused CUDA kernels (libonnxcnn_ops.so): auto: the library that "
+                            "python -m kernels.build made in this checkout, when it did; off: never; or a path. Where "
                             "it loads on a GPU, each model also gets a variant lowered to them (verified like every "
                             "rewrite), which the tuner serves only when it times faster.")
     )

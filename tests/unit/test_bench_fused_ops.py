@@ -89,6 +89,9 @@ def test_sanitizer_summary_is_read():
     text = "x\n========= ERROR SUMMARY: 3 errors (2 shown)\n"
     assert fused_ops.sanitizer_errors(text) == 3
     assert fused_ops.sanitizer_errors("Segmentation fault") is None
+    racecheck = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"  # the H200's, 2026-12-02
+    assert fused_ops.sanitizer_errors(racecheck) == 0
+    assert fused_ops.sanitizer_errors("========= RACECHECK SUMMARY: 4 hazards displayed (2 errors, 2 warnings)") == 2
 
 
 def test_selftest_output_is_parsed():
