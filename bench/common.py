@@ -129,6 +129,14 @@ def device_description(device_id: int = 0) -> str:
     return f"{gpu} (GPU {device_id}), {host}" if gpu else f"CPU only: {host}"
 
 
+def fused_ops_library(setting: str) -> str | None:
+    """The fused-op library file a ``--fused-ops-library`` value names, by the server's own rule
+    (``SERVICE_FUSED_OPS_LIBRARY``: auto, off or a path)."""
+    from service.settings import ServiceSettings
+
+    return ServiceSettings(fused_ops_library=setting, demo_model=False).fused_ops_library_file
+
+
 def header(*, packages: Iterable[str] = DEFAULT_PACKAGES, device_id: int = 0) -> dict[str, Any]:
     """The fields every result file starts with."""
     return {

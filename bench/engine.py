@@ -71,6 +71,7 @@ import numpy as np  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS_DIR,
     capture_cuda_graph,
+    fused_ops_library,
     header,
     median,
     percentile,
@@ -972,16 +973,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.out_dir is None:
             args.out_dir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     args.mode = "cpu-smoke" if args.cpu_smoke else ("cpu-torch" if args.cpu_torch else "gpu")
-    args.fused_ops_library_file = library_file(args.fused_ops_library)
+    args.fused_ops_library_file = fused_ops_library(args.fused_ops_library)
     args.out_dir = args.out_dir or RESULTS_DIR
     return args
-
-
-def library_file(setting: str) -> str | None:
-    """The fused-op library a --fused-ops-library value names (the service's own rule)."""
-    from service.settings import ServiceSettings
-
-    return ServiceSettings(fused_ops_library=setting, demo_model=False).fused_ops_library_file
 
 
 def run_payload(args: argparse.Namespace) -> dict[str, Any]:

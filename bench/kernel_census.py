@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
-from bench.common import RESULTS_DIR, header, print_table, write_result  # noqa: E402
+from bench.common import RESULTS_DIR, fused_ops_library, header, print_table, write_result  # noqa: E402
 
 ZOO = {"mnv3": "mobilenet_v3_large", "resnet50": "resnet50"}
 RUNS = 20
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-ops-library", default="auto", help="as SERVICE_FUSED_OPS_LIBRARY (auto, off, a "
                         "path): where given, also the rows before (plain NCHW) and after the fused operators")
     args = parser.parse_args(argv)
-    from service.settings import ServiceSettings
-
-    library = ServiceSettings(fused_ops_library=args.fused_ops_library, demo_model=False).fused_ops_library_file
+    library = fused_ops_library(args.fused_ops_library)
     if not args.dry_run:
         from service.runtime.device import cuda_status
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS_DIR, header, print_table, write_result  # noqa: E402
+from bench.common import RESULTS_DIR, fused_ops_library, header, print_table, write_result  # noqa: E402
 
 REPLAYS = 30
 REL_L2_OK = 1e-2  # TF32 convolutions against ORT's CPU provider
@@ -157,7 +157,7 @@ def sanitize(spec: dict[str, Any], budget_s: float) -> dict[str, Any]:
     """The faulting configuration under compute-sanitizer memcheck: its first reported errors (kernel names)."""
     from bench.fused_ops import find_sanitizer, sanitizer_errors
 
-    tool = find_sanitizer(nvcc="/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    tool = find_sanitizer()
     if tool is None:
         return {"skipped": "no compute-sanitizer"}
     prefix = [tool, "--tool", "memcheck", "--print-limit", "8", "--show-backtrace", "device"]
@@ -179,10 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print("RESULT " + json.dumps(run_one(json.loads(args.one))), flush=True)
         return 0
-    from service.settings import ServiceSettings
-
     started = time.monotonic()
-    library = ServiceSettings(fused_ops_library=args.fused_ops_library, demo_model=False).fused_ops_library_file
+    library = fused_ops_library(args.fused_ops_library)
     head = header()
     work = Path(tempfile.mkdtemp(prefix="nchw-fault-"))
     files = build_graphs(work, library)

@@ -162,7 +162,7 @@ def build(
 ) -> BuildResult:
     """Build (or reuse an up-to-date) library; returns where it is. Raises BuildError or HeaderError."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    include = ort_headers.resolve(headers, HEADERS_DIR, work_dir=BUILD_DIR, allow_fetch=fetch)
+    include = ort_headers.resolve(headers, HEADERS_DIR, allow_fetch=fetch)
     header_api = ort_headers.api_version(include)
     if runtime_version is not None:
         ort_headers.check_api_version(header_api, runtime_version)

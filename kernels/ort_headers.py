@@ -247,17 +247,15 @@ def unpack(data: bytes, dest: Path, url: str) -> Path:
 def fetch(
     dest: Path,
     *,
-    work_dir: Path | None = None,
     download: Download = download_url,
     texts: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Path:
     """Download the pinned package from the first URL that serves it intact, unpack its headers into ``dest``.
 
-    ``work_dir`` is accepted for the callers' sake and unused: the 85 KB file is held in memory and the
-    headers are staged next to ``dest``. Raises HeaderError naming every URL tried and why it failed.
+    The 85 KB file is held in memory and the headers are staged next to ``dest``. Raises HeaderError naming
+    every URL tried and why it failed.
     """
-    del work_dir
     urls = candidate_urls(system_source_texts() if texts is None else texts, os.environ if env is None else env)
     failures = []
     for url in urls:
@@ -276,7 +274,7 @@ def fetch(
                       + "; ".join(failures))
 
 
-def resolve(explicit: Path | None, default: Path, *, work_dir: Path, allow_fetch: bool = True) -> Path:
+def resolve(explicit: Path | None, default: Path, *, allow_fetch: bool = True) -> Path:
     """The include folder to build with: ``explicit``, else ``default`` when complete, else fetched there."""
     if explicit is not None:
         if not is_complete(explicit):
@@ -287,4 +285,4 @@ def resolve(explicit: Path | None, default: Path, *, work_dir: Path, allow_fetch
     if not allow_fetch:
         raise HeaderError(f"no ONNX Runtime headers in {default.name} and fetching is off: run python -m kernels.build "
                           "on a machine with network first and carry kernels/build/ort-include, or pass --headers DIR")
-    return fetch(default, work_dir=work_dir)
+    return fetch(default)

@@ -54,7 +54,8 @@ from service.errors import (
     VerificationError,
 )
 from service.model_config import VerifyTolerance
-from service.registry.variants import FUSED_FILE, KERNELS, KERNELS_FILE, PLAIN_FILE, looks_like_oom, write_synced
+from service.registry.variants import FUSED_FILE, KERNELS_FILE, PLAIN_FILE, looks_like_oom, write_synced
+from service.runtime.fused_ops import VARIANT
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class OptimizerRunner:
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
         self.fused_ops_library = fused_ops_library
-        """The library a KERNELS variant is made with (it is made only where one is given and asked for)."""
+        """The library the fused-op variant is made with (it is made only where one is given and asked for)."""
         self._live: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
@@ -364,8 +365,8 @@ def _failure(exc: BaseException) -> dict[str, Any]:
 
 def _variant_list(text: str) -> frozenset[str]:
     names = frozenset(filter(None, text.split(",")))
-    if not names or not names <= {"fused", "plain", KERNELS}:
-        raise argparse.ArgumentTypeError(f"variants are fused, plain and/or {KERNELS}, not {text!r}")
+    if not names or not names <= {"fused", "plain", VARIANT}:
+        raise argparse.ArgumentTypeError(f"variants are fused, plain and/or {VARIANT}, not {text!r}")
     return names
 
 
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=_variant_list, default=frozenset({"fused", "plain"}),
                         help="the optimized variants to make: fused, plain or both (comma-separated)")
     parser.add_argument("--verify", type=int, choices=(0, 1), default=1)
-    parser.add_argument("--fused-ops-library", default=None, help=f"the library the {KERNELS} variant needs")
+    parser.add_argument("--fused-ops-library", default=None, help=f"the library the {VARIANT} variant needs")
     parser.add_argument("--memory-limit-mb", type=int, required=True)
     parser.add_argument("--preprocess", default=None, help="Preprocess (JSON) of an image model")
     parser.add_argument("--label-count", type=int, default=None, help="labels of the model's first output")

@@ -2,7 +2,7 @@
 
 Each variant is saved only after ONNX Runtime built a session from it here, under the child's limits:
 "fused" (com.microsoft.FusedConv allowed, ORT's CPU provider), "plain" (no FusedConv: CUDA, OpenVINO), and
-KERNELS (plain lowered to the ai.onnxcnn fused operators, made only where the fused-op library is given and
+"onnxcnn" (plain lowered to the ai.onnxcnn fused operators, made only where the fused-op library is given and
 verified against the original like every rewrite; a lowering that fails or does not verify is left out and
 said why, since the model serves without it exactly as where no library is built).
 """
@@ -22,8 +22,6 @@ log = logging.getLogger(__name__)
 
 FUSED_FILE = "optimized.onnx"
 PLAIN_FILE = "optimized-plain.onnx"
-KERNELS = VARIANT
-"""The variant lowered to the ai.onnxcnn fused operators."""
 KERNELS_FILE = "optimized-onnxcnn.onnx"
 _MEMORY_WORDS = ("bad_alloc", "failed to allocate", "cannot allocate memory", "memoryerror", "out of memory")
 
@@ -36,8 +34,8 @@ def optimize_variants(
     model: Any, variants: frozenset[str], options: dict[str, Any], out_dir: Path
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """The served signature and {variant: {"file", "report"} or {"skipped": why}}: "fused" first when asked
-    for (it says whether FusedConv changes the graph at all), then "plain", then KERNELS from plain where
-    ``options["fused_ops_library"]`` names the library; each saved to ``out_dir`` once ORT loads it."""
+    for (it says whether FusedConv changes the graph at all), then "plain", then "onnxcnn" (VARIANT) from plain
+    where ``options["fused_ops_library"]`` names the library; each saved to ``out_dir`` once ORT loads it."""
     from service.optimizer import OptimizerConfig, optimize
     from service.optimizer.shapes import output_dims
     from service.runtime.contract import Signature
@@ -58,19 +56,19 @@ def optimize_variants(
     else:
         made, plain = {"fused": {"file": FUSED_FILE, "report": report.to_dict()}}, None
         del first
-        if variants & {"plain", KERNELS}:  # the lowered variant is made from plain
+        if variants & {"plain", VARIANT}:  # the lowered variant is made from plain
             plain = optimize(model, OptimizerConfig(fused_conv=False, **options))
         if "plain" in variants and plain is not None:
             _save_variant(plain[0], out_dir / PLAIN_FILE)
             made["plain"] = {"file": PLAIN_FILE, "report": plain[1].to_dict()}
-    if KERNELS in variants and library is not None and plain is not None:
+    if VARIANT in variants and library is not None and plain is not None:
         made.update(_kernels_variant(model, *plain, OptimizerConfig(fused_conv=False, **options), library, out_dir))
     return signature, made
 
 
 def _kernels_variant(model: Any, plain: Any, report: Any, config: Any, library: str, out_dir: Path) -> dict[str, Any]:
-    """{KERNELS: {"file", "report"}}: ``plain`` lowered to the fused operators and verified like every rewrite;
-    a lowering that fails or does not verify is logged and left out ({KERNELS: {"skipped": why}}): the model
+    """{VARIANT: {"file", "report"}}: ``plain`` lowered to the fused operators and verified like every rewrite;
+    a lowering that fails or does not verify is logged and left out ({VARIANT: {"skipped": why}}): the model
     serves without it, exactly as where no library is built."""
     from service.optimizer.fused_ops import lower_verified
 
@@ -83,8 +81,8 @@ def _kernels_variant(model: Any, plain: Any, report: Any, config: Any, library: 
         log.warning("the fused-op variant is left out: %s", exc.message)
         with contextlib.suppress(OSError):
             (out_dir / KERNELS_FILE).unlink()
-        return {KERNELS: {"skipped": exc.message}}
-    return {KERNELS: {"file": KERNELS_FILE, "report": lowered[1].to_dict()}}
+        return {VARIANT: {"skipped": exc.message}}
+    return {VARIANT: {"file": KERNELS_FILE, "report": lowered[1].to_dict()}}
 
 
 def _smoke_run(model: Any) -> None:
@@ -129,5 +127,3 @@ def write_synced(path: Path, data: bytes) -> None:
 def looks_like_oom(text: str) -> bool:
     lowered = text.lower()
     return any(word in lowered for word in _MEMORY_WORDS)
-
-

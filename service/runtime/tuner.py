@@ -37,8 +37,7 @@ from service.runtime.cpu_tuner import select_cpu
 from service.runtime.cuda_configs import Config, has_fused_conv, load_config
 from service.runtime.device import gpu_name, resolve_device
 from service.runtime.engine import OrtEngine
-from service.runtime.fused_ops import VARIANT as FUSED_OPS_VARIANT
-from service.runtime.fused_ops import library_loads, uses_fused_ops
+from service.runtime.fused_ops import VARIANT, library_loads, uses_fused_ops
 from service.runtime.openvino import status as openvino_status
 from service.runtime.precision import REL_L2_TOLERANCE, check_fp16
 from service.runtime.split_engine import SplitEngine
@@ -268,8 +267,6 @@ def _load(candidates: Mapping[str, onnx.ModelProto], config: Config, settings: E
 
 ALL_VARIANTS = frozenset({"fused", "plain"})
 """The variants made without the fused-op library (every one a CPU machine may serve)."""
-KERNELS_VARIANT = FUSED_OPS_VARIANT
-"""plain lowered to the ai.onnxcnn fused operators (``optimizer.fused_ops``): made and timed on a GPU only."""
 
 
 def choosable_variants(options: EngineOptions) -> frozenset[str]:
@@ -279,7 +276,7 @@ def choosable_variants(options: EngineOptions) -> frozenset[str]:
     provider's own fusion), plus "plain" where the OpenVINO EP may serve (it runs no com.microsoft op).
     Cheap: the GPU driver's device name and a dlopen, no CUDA session."""
     if options.device != "cpu" and gpu_name(options.device_id) is not None:
-        return frozenset({"plain", KERNELS_VARIANT} if library_loads(options.fused_ops_library) else {"plain"})
+        return frozenset({"plain", VARIANT} if library_loads(options.fused_ops_library) else {"plain"})
     return ALL_VARIANTS if openvino_status().usable else frozenset({"fused"})
 
 
@@ -458,5 +455,5 @@ def _short_error(exc: BaseException) -> str:
     return first_line(exc if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}", limit=300)
 
 
-__all__ = ["ALL_VARIANTS", "KERNELS_VARIANT", "Config", "choosable_variants", "select_variant", "time_batch",
+__all__ = ["ALL_VARIANTS", "Config", "choosable_variants", "select_variant", "time_batch",
            "time_calls"]

@@ -72,4 +72,4 @@ def test_with_the_library_the_lowered_variant_is_a_candidate(cpu_library):  # no
     assert reports["onnxcnn"]["max_abs_diff"] is not None
     without, _ = engine.optimized(model)
     assert "onnxcnn" not in without
-    assert engine.library_file("off") is None and engine.library_file(str(cpu_library)) == str(cpu_library)
+    assert engine.fused_ops_library("off") is None and engine.fused_ops_library(str(cpu_library)) == str(cpu_library)

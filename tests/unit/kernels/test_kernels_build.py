@@ -107,9 +107,9 @@ def test_debian_source_is_read_from_both_apt_formats():
 
 def test_resolve_prefers_an_explicit_folder_and_never_fetches_when_told(tmp_path):
     with pytest.raises(ort_headers.HeaderError, match="not an ONNX Runtime include folder"):
-        ort_headers.resolve(tmp_path, tmp_path / "default", work_dir=tmp_path)
+        ort_headers.resolve(tmp_path, tmp_path / "default")
     with pytest.raises(ort_headers.HeaderError, match="fetching is off"):
-        ort_headers.resolve(None, tmp_path / "default", work_dir=tmp_path, allow_fetch=False)
+        ort_headers.resolve(None, tmp_path / "default", allow_fetch=False)
 
 
 @pytest.mark.slow

@@ -85,7 +85,7 @@ class Server:
 def _fetch(tmp_path: Path, server: Server, **kwargs) -> Path:
     kwargs.setdefault("texts", [])
     kwargs.setdefault("env", {})
-    return ort_headers.fetch(tmp_path / "ort-include", work_dir=tmp_path, download=server, **kwargs)
+    return ort_headers.fetch(tmp_path / "ort-include", download=server, **kwargs)
 
 
 def test_fetch_verifies_unpacks_the_include_folder_only_and_replaces_the_old_one(tmp_path, monkeypatch):
