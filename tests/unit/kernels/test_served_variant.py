@@ -187,3 +187,11 @@ def test_a_library_that_does_not_load_costs_the_variant_not_the_upload(tmp_path:
                                               options(fused_ops_library=str(bogus)), tmp_path / "out")
     assert set(made) == {"plain", "onnxcnn"} and "file" in made["plain"]
     assert "does not load" in made["onnxcnn"]["skipped"]
+
+
+def test_an_engine_whose_library_does_not_load_says_so(cpu_library: Path, tmp_path: Path) -> None:
+    candidates = lowered_candidates(cpu_library)
+    bogus = tmp_path / "libonnxcnn_ops.so"
+    bogus.write_bytes(b"not an ELF file")
+    with pytest.raises(EngineError, match="the model needs the fused-op library, which does not load"):
+        OrtEngine.load(candidates["onnxcnn"], CPU.replace(fused_ops_library=str(bogus)))
