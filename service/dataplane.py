@@ -5,7 +5,7 @@ REST (``api``) and gRPC (``grpc``) are thin codecs around it: they decode a requ
 ``RequestTrace`` (in flight, metrics, statistics), and encode what comes back. Every name and version a client
 sends is checked here (``check_name``, ``parse_version``: one rule for every route and protocol), so odd names
 never reach the store, logs or metric labels; so are the KServe V2 tensor rules both protocols share
-(``v2_dtype``, ``requested_outputs``, ``refuse_shared_memory``) and the admin token (``check_bearer``), so that
+(``v2_dtype``, ``requested_outputs``) and the admin token (``check_bearer``), so that
 a request gets the same answer, word for word, on either protocol. Errors are ``service.errors`` classes; each
 protocol renders them its own way.
 """
@@ -43,17 +43,19 @@ from service.registry.repository import Repository
 from service.registry.statistics import RequestTimes
 from service.registry.version import InferenceResult, ModelState, ModelVersion
 from service.runtime.contract import KSERVE_TO_NUMPY, InferenceRequest, TensorSpec
+from service.runtime.device import cuda_runtime
+from service.shared_memory.table import SharedMemory
+from service.shared_memory.tensors import RegionUse
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
 
 SERVER_NAME = "onnx-cnn-serve"
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"]
+SHARED_MEMORY_EXTENSIONS = ["system_shared_memory", "cuda_shared_memory"]
 UNSUPPORTED = {
     "trace": "the trace extension",
     "logging": "the logging extension",
-    "system_shared_memory": "the system shared-memory extension",
-    "cuda_shared_memory": "the CUDA shared-memory extension",
 }
 """Triton extensions clients call that this server does not implement (``not_supported``)."""
 _VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
@@ -201,8 +203,11 @@ class RequestTrace:
 class DataPlane:
     """Health, metadata, inference, statistics and the model repository over one process's ``ModelManager``."""
 
-    def __init__(self, manager: ModelManager, metrics: Metrics | None = None) -> None:
+    def __init__(self, manager: ModelManager, metrics: Metrics | None = None, *,
+                 shared_memory: SharedMemory | None = None) -> None:
         self.manager = manager
+        self.shared_memory = shared_memory or SharedMemory(manager.settings.shared_memory_mb, cuda=cuda_runtime)
+        """The shared-memory regions this process serves from (``service.shared_memory``)."""
         self.metrics = metrics
         self.repository = Repository(manager)
         self.inflight = InFlight()
@@ -244,7 +249,8 @@ class DataPlane:
 
     # ------------------------------------------------------------------ metadata
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": server_version(), "extensions": list(EXTENSIONS)}
+        shared = SHARED_MEMORY_EXTENSIONS if self.shared_memory.enabled else []
+        return {"name": SERVER_NAME, "version": server_version(), "extensions": [*EXTENSIONS, *shared]}
 
     def find(self, name: str, version: str | None = None) -> ModelVersion:
         """The addressed version in any state (metadata is useful while loading); the newest ready by default."""
@@ -317,6 +323,10 @@ class DataPlane:
     def trace(self, protocol: str, endpoint: str) -> RequestTrace:
         return RequestTrace(self, protocol, endpoint)
 
+    def regions(self) -> RegionUse:
+        """The shared-memory regions of one request (``with``: released when it is answered)."""
+        return RegionUse(self.shared_memory)
+
     # ------------------------------------------------------------------ statistics
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics: every version of every model, of one model, or one version."""
@@ -385,12 +395,6 @@ def v2_dtype(name: str, datatype: str) -> np.dtype:
     raise InvalidInputError(
         f"input {name!r}: unknown datatype {datatype[:16]!r}; supported: {', '.join(KSERVE_TO_NUMPY)}"
     )
-
-
-def refuse_shared_memory(params: Iterable[str], where: str) -> None:
-    """Refuse a tensor that points at a shared-memory region (``params``: its parameter names)."""
-    if any(key.startswith("shared_memory") for key in params):
-        raise BadRequestError(f"{where}: the shared-memory extension is not supported")
 
 
 def class_count(value: Any, where: str) -> int:

@@ -85,6 +85,10 @@ class ServiceSettings(BaseSettings):
     )
     max_request_mb: int = Field(64, ge=1, le=4096, description="Largest inference request body, in MiB (413).")
     max_upload_mb: int = Field(512, ge=1, le=16384, description="Largest model upload, in MiB (413).")
+    shared_memory_mb: int = Field(
+        4096, ge=0, le=1 << 20, description="Triton's system and CUDA shared-memory extensions, for clients on this "
+        "host: the most MiB of regions registered at once, in all (at most 64 regions); 0 turns them off."
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, le=600, description="Time in-flight requests get on SIGTERM.")
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="auto: the GPU when CUDA is usable, else the CPU; cuda: a model that cannot load "

@@ -19,8 +19,9 @@ from service.dataplane import DataPlane, server_version
 from service.metrics import Metrics
 from service.registry.manager import ModelManager
 from service.settings import ServiceSettings
+from service.shared_memory.table import SharedMemory
 
-from . import extensions, health, management, metrics_route, predict, v2
+from . import extensions, health, management, metrics_route, predict, shm, v2
 from .docs import install_docs
 from .errors import install_error_handlers
 from .fast_path import InferFastPath
@@ -63,14 +64,16 @@ def create_app(
     metrics: Metrics | None = None,
     serve_before_ready: bool = True,
     on_started: Callable[[], None] | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> FastAPI:
     """Build the app. Without ``manager`` one is made on ``settings`` (engines in this process) reporting to
     ``metrics``. ``serve_before_ready``: accept connections while the models load (readiness says "loading");
-    ``on_started``: called once the manager's startup has finished, successfully or not."""
+    ``on_started``: called once the manager's startup has finished, successfully or not; ``shared_memory``: the
+    shared-memory regions (default: this process's own, CUDA ones opened here)."""
     metrics = metrics if metrics is not None else Metrics()
     if manager is None:
         manager = ModelManager(settings, metrics=metrics)
-    dataplane = DataPlane(manager, metrics)
+    dataplane = DataPlane(manager, metrics, shared_memory=shared_memory)
     app = ServiceApp(title="onnx-cnn-serve", version=server_version(), description=DESCRIPTION, lifespan=lifespan,
                      docs_url=None, redoc_url=None)  # install_docs serves both pages without a CDN
     app.state.settings = settings
@@ -80,7 +83,7 @@ def create_app(
     app.state.lifecycle = Lifecycle(dataplane, serve_before_ready=serve_before_ready, on_started=on_started)
     app.state.inflight = dataplane.inflight  # shared with gRPC: "alone" means alone on both protocols
     install_error_handlers(app)
-    for module in (health, predict, extensions, v2, management, metrics_route):  # extensions first: /v2/models/stats
+    for module in (health, predict, extensions, shm, v2, management, metrics_route):  # extensions first: /v2/models/stats
         app.include_router(module.router)
     _document_bodies(app)
     install_docs(app)

@@ -20,10 +20,11 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from service.dataplane import class_count, refuse_shared_memory, requested_output, v2_dtype
+from service.dataplane import class_count, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, first_line
 from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
 from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
+from service.shared_memory.tensors import RegionUse, names_region, shared_input, shared_output
 
 from .images import decode_base64
 from .schemas import InferRequest, PredictRequest
@@ -155,24 +156,27 @@ def split_v2_body(body: bytes | memoryview, header_length: str | None) -> tuple[
 
 
 def decode_v2_request(
-    body: bytes | memoryview, header_length: str | None, signature: Signature, images_for: str | None = None
+    body: bytes | memoryview, header_length: str | None, signature: Signature, images_for: str | None = None,
+    regions: RegionUse | None = None,
 ) -> V2Request:
     """Decode and check a V2 request: each tensor's declared shape is checked before its data is read.
     ``images_for``: the image input of an image model, which may also come as a BYTES tensor of encoded
-    images (``v2_images``)."""
+    images (``v2_images``). ``regions``: where tensors that name a shared-memory region are read and written
+    (None: such a tensor is refused)."""
     header, tail = split_v2_body(body, header_length)
     req = validate(InferRequest, loads(header, "inference request header"), "inference request")
     if len(req.inputs) > len(signature.inputs):
         raise InvalidInputError(f"{len(req.inputs)} inputs given; the model takes {len(signature.inputs)}")
-    arrays, batches, images = _decode_v2_inputs(req, tail, signature, len(header), images_for)
-    names, binary, classes = _requested_outputs(req, [s.name for s in signature.outputs])
+    arrays, batches, images = _decode_v2_inputs(req, tail, signature, len(header), images_for, regions)
+    names, binary, classes = _requested_outputs(req, [s.name for s in signature.outputs], regions)
     if images is not None:
         return V2Request(req.id, None, binary, images=images, outputs=names, classification=classes)
     return V2Request(req.id, signature.complete(arrays, batches, names), binary, classification=classes)
 
 
 def _decode_v2_inputs(
-    req: InferRequest, tail: memoryview, signature: Signature, max_values: int, images_for: str | None
+    req: InferRequest, tail: memoryview, signature: Signature, max_values: int, images_for: str | None,
+    regions: RegionUse | None,
 ) -> tuple[dict[str, np.ndarray], dict[str, int], list[bytes] | None]:
     arrays: dict[str, np.ndarray] = {}
     batches: dict[str, int] = {}
@@ -182,7 +186,10 @@ def _decode_v2_inputs(
         if tensor.name in arrays or (images is not None and tensor.name == images_for):
             raise InvalidInputError(f"input {tensor.name!r} given twice")
         params = tensor.parameters or {}
-        refuse_shared_memory(params, f"inputs[{i}]")
+        in_region = names_region(params)
+        if in_region and (tensor.data is not None or "binary_data_size" in params):
+            raise InvalidInputError(f"input {tensor.name!r}: give data, binary_data_size or a shared memory region, "
+                                    "not several")
         size = None
         if "binary_data_size" in params:
             if tensor.data is not None:
@@ -196,10 +203,15 @@ def _decode_v2_inputs(
                                tail[offset : offset + size])  # fmt: skip
             offset += size or 0
             continue
+        if in_region and tensor.name == images_for and tensor.datatype == "BYTES":
+            raise InvalidInputError(f"input {tensor.name!r}: encoded images come in the body, not in shared memory")
         dtype = v2_dtype(tensor.name, tensor.datatype)
         batches[tensor.name] = signature.check_tensor(tensor.name, dtype, tensor.shape)
         count = math.prod(tensor.shape)
-        if size is not None:
+        if in_region:
+            arrays[tensor.name] = shared_input(regions, params, f"inputs[{i}].parameters", tensor.name, dtype,
+                                               tensor.shape)
+        elif size is not None:
             arrays[tensor.name] = _binary_tensor(tensor.name, tensor.shape, dtype, count, tail, offset, size)
             offset += size
         else:
@@ -263,7 +275,7 @@ def _json_tensor(
 
 
 def _requested_outputs(
-    req: InferRequest, model_outputs: list[str]
+    req: InferRequest, model_outputs: list[str], regions: RegionUse | None
 ) -> tuple[list[str] | None, dict[str, bool], dict[str, int]]:
     """The requested output names (None: all), which go binary, and the classification extension's k of
     those that asked for it (``parameters: {"classification": k}``, as tritonclient's ``class_count``)."""
@@ -276,7 +288,8 @@ def _requested_outputs(
     for i, out in enumerate(req.outputs):
         requested_output(out.name, known, binary)
         params = out.parameters or {}
-        refuse_shared_memory(params, f"outputs[{i}]")
+        if names_region(params):
+            shared_output(regions, params, f"outputs[{i}].parameters", out.name)
         if "classification" in params:
             classes[out.name] = class_count(params["classification"], f"outputs[{i}].parameters.classification")
         binary[out.name] = _bool_param(params, "binary_data", default, f"outputs[{i}].parameters")
@@ -302,11 +315,18 @@ def encode_v2_response(
     request_id: str | None,
     outputs: Mapping[str, np.ndarray],
     binary: Mapping[str, bool],
+    in_shared_memory: Mapping[str, dict[str, Any]] | None = None,
 ) -> tuple[bytes, int | None]:
-    """Response body and, when any output is binary, the JSON header's length."""
+    """Response body and, when any output is binary, the JSON header's length. ``in_shared_memory``: the
+    outputs written into shared memory (their parameters), answered without data."""
     entries: list[dict[str, Any]] = []
     blobs: list[memoryview] = []
+    placed = in_shared_memory or {}
     for name, raw in outputs.items():
+        if name in placed:
+            entries.append({"name": name, "datatype": NUMPY_TO_KSERVE.get(raw.dtype, "FP32"), "shape": list(raw.shape),
+                            "parameters": placed[name]})
+            continue
         if raw.dtype == object:  # BYTES (the classification extension): bytes elements
             entry, blob = _bytes_output(name, raw, binary.get(name, False))
             entries.append(entry)

@@ -1,5 +1,5 @@
 """Triton's protocol extensions over REST: statistics, the model repository, and clear refusals of the
-extensions this server does not implement.
+extensions this server does not implement (trace, logging).
 
 Spoken as Triton speaks them, so ``tritonclient.http``'s ``get_inference_statistics``,
 ``get_model_repository_index``, ``load_model`` and ``unload_model`` work unchanged:
@@ -10,8 +10,8 @@ Spoken as Triton speaks them, so ``tritonclient.http``'s ``get_inference_statist
   of ``{"name", "version", "state", "reason"}``.
 * ``POST /v2/repository/models/{name}/load`` and ``.../unload``: the admin token, like every management call;
   ``registry.repository`` says what unloading means.
-* Trace, logging and the shared-memory extensions: 400 "... is not supported by this server", never a bare
-  404 (the paths are kept out of the OpenAPI document: there is nothing to call).
+* Trace and logging: 400 "... is not supported by this server", never a bare 404 (the paths are kept out of
+  the OpenAPI document: there is nothing to call). The shared-memory extensions live in ``shm``.
 
 This router is included before ``v2``'s, so ``/v2/models/stats`` is not read as the metadata of a model
 named "stats".
@@ -114,7 +114,5 @@ for _path, _extension in (
     ("/v2/trace/setting", "trace"),
     ("/v2/models/{name}/trace/setting", "trace"),
     ("/v2/logging", "logging"),
-    ("/v2/systemsharedmemory/{rest:path}", "system_shared_memory"),
-    ("/v2/cudasharedmemory/{rest:path}", "cuda_shared_memory"),
 ):
     router.add_api_route(_path, _refusal(_extension), methods=["GET", "POST"], include_in_schema=False)

@@ -112,3 +112,4 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.draining.clear()
         await lifecycle.dataplane.manager.stop(app.state.settings.shutdown_grace_s)
         lifecycle.dataplane.images.close()
+        await asyncio.to_thread(lifecycle.dataplane.shared_memory.close)  # CUDA regions: CUDA calls

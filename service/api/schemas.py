@@ -171,8 +171,30 @@ class RepositoryModelRequest(BaseModel):
     )
 
 
+class SystemRegionRequest(BaseModel):
+    """``POST /v2/systemsharedmemory/region/{name}/register`` body (tritonclient's
+    ``register_system_shared_memory``)."""
+
+    key: str = Field(description="The shm_open name of the client's region, e.g. '/input_data' (a file directly in "
+                     "/dev/shm, owned by the server's user, writable by nobody else).", max_length=256)
+    offset: int = Field(0, ge=0, description="Where the region starts in that object, in bytes.")
+    byte_size: int = Field(ge=1, description="The region's size in bytes.")
+
+
+class RawHandle(BaseModel):
+    b64: str = Field(max_length=256, description="The cudaIpcMemHandle_t, base64.")
+
+
+class CudaRegionRequest(BaseModel):
+    """``POST /v2/cudasharedmemory/region/{name}/register`` body (tritonclient's ``register_cuda_shared_memory``)."""
+
+    raw_handle: RawHandle
+    device_id: int = Field(ge=0, description="The GPU that holds the memory.")
+    byte_size: int = Field(ge=1, description="The region's size in bytes.")
+
+
 BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, PredictImagesRequest, InferRequest, RepositoryIndexRequest,
-                                             RepositoryModelRequest)
+                                             RepositoryModelRequest, SystemRegionRequest, CudaRegionRequest)
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

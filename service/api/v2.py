@@ -4,8 +4,10 @@ Spoken the way Triton speaks it so ``tritonclient.http`` works unchanged: versio
 binary tensor extension (``Inference-Header-Content-Length``) for inputs and, when asked, outputs, the
 classification extension (``parameters: {"classification": k}`` on a requested output: a BYTES output of
 ``"score:index:label"`` strings), and a Triton-style model config at ``.../config``. An image model also
-takes its image input as a BYTES tensor ``[N]`` / ``[N, 1]`` of encoded JPEG/PNG images. Health endpoints
-live in ``health.py``; everything here is a codec around ``service.dataplane``.
+takes its image input as a BYTES tensor ``[N]`` / ``[N, 1]`` of encoded JPEG/PNG images. A tensor may instead
+name a registered shared-memory region (``service.shared_memory.tensors``): inputs are read from it, outputs
+written into it and answered without data. Health endpoints live in ``health.py``; everything here is a codec
+around ``service.dataplane``.
 """
 
 from __future__ import annotations
@@ -99,23 +101,26 @@ _INFER_ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 413, 415, 503
 
 async def handle_infer(request: Request, name: str, version: str | None) -> Response:
     """Decode, run and encode one KServe infer request (also called by ``fast_path``)."""
+    dataplane = dataplane_of(request)
     async with Observed(request, "v2_infer") as obs:
         settings = settings_of(request)
         body = await read_body(request, settings.max_request_mb * MIB, timeout_s=settings.request_timeout_s,
                                view_ok=True)
-        dataplane = dataplane_of(request)
         mv = dataplane.model_for_infer(name, version)
         obs.resolved(mv)
-        decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature, image_input_name(mv))
-        checked = decoded.request
-        if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
-            assert decoded.images is not None
-            checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
-        await obs.infer(mv, checked)
-        outputs = obs.result.outputs
-        if decoded.classification:
-            outputs = classified(mv, outputs, decoded.classification)
-        content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, outputs, decoded.binary)
+        with dataplane.regions() as regions:  # the request's shared-memory regions, leased until it is answered
+            decoded = decode_v2_request(body, request.headers.get(HEADER_LENGTH), mv.signature, image_input_name(mv),
+                                        regions)
+            checked = decoded.request
+            if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
+                assert decoded.images is not None
+                checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
+            await obs.infer(mv, checked)
+            outputs = obs.result.outputs
+            if decoded.classification:
+                outputs = classified(mv, outputs, decoded.classification)
+            placed = await regions.write_outputs(outputs) if regions.outputs else None
+        content, json_length = encode_v2_response(mv.name, mv.version, decoded.id, outputs, decoded.binary, placed)
     if json_length is None:
         return Response(content, media_type="application/json")
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})

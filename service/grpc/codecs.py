@@ -26,10 +26,19 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
-from service.dataplane import class_count, refuse_shared_memory, requested_output, v2_dtype
+from service.dataplane import class_count, requested_output, v2_dtype
 from service.errors import BadRequestError, InvalidInputError, printable
 from service.image_requests import bytes_elements, image_tensor_count, serialize_bytes
 from service.runtime.contract import NUMPY_TO_KSERVE, InferenceRequest, Signature
+from service.shared_memory.tensors import (
+    BYTE_SIZE,
+    OFFSET,
+    REGION,
+    RegionUse,
+    names_region,
+    shared_input,
+    shared_output,
+)
 
 from .messages import config_pb, pb
 
@@ -65,18 +74,23 @@ class DecodedInfer:
     classification: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def decode_infer(message: Any, signature: Signature, images_for: str | None = None) -> DecodedInfer:
+def decode_infer(message: Any, signature: Signature, images_for: str | None = None,
+                 regions: RegionUse | None = None) -> DecodedInfer:
     """A ``ModelInferRequest`` checked against ``signature`` (400s that name the offending tensor).
-    ``images_for``: the image input of an image model, which may also come as encoded images (BYTES)."""
+    ``images_for``: the image input of an image model, which may also come as encoded images (BYTES);
+    ``regions``: where tensors that name a shared-memory region are read and written (None: refused). A
+    tensor in shared memory has no entry in ``raw_input_contents``, as tritonclient sends it."""
     tensors = message.inputs
     if not tensors:
         raise InvalidInputError("the request has no inputs")
     if len(tensors) > len(signature.inputs):
         raise InvalidInputError(f"{len(tensors)} inputs given; the model takes {len(signature.inputs)}")
-    raw = message.raw_input_contents
-    if raw and len(raw) != len(tensors):
-        raise BadRequestError(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs: send every "
-                              "input raw, or none")
+    raw = list(message.raw_input_contents)
+    in_body = [i for i, tensor in enumerate(tensors) if not names_region(tensor.parameters)]
+    if raw and len(raw) != len(in_body):
+        raise BadRequestError(f"raw_input_contents has {len(raw)} entries for {len(in_body)} inputs not in shared "
+                              "memory: send every such input raw, or none")
+    raw_of = dict(zip(in_body, raw, strict=False))
     arrays: dict[str, np.ndarray] = {}
     batches: dict[str, int] = {}
     images: list[bytes] | None = None
@@ -84,21 +98,27 @@ def decode_infer(message: Any, signature: Signature, images_for: str | None = No
         name = _name(tensor.name, f"inputs[{i}]")
         if name in arrays or (images is not None and name == images_for):
             raise InvalidInputError(f"input {name!r} given twice")
-        refuse_shared_memory(tensor.parameters.keys(), f"inputs[{i}]")
-        if raw and tensor.HasField("contents"):
-            raise InvalidInputError(f"input {name!r}: give contents or raw_input_contents, not both")
+        in_region = names_region(tensor.parameters)
+        if (raw or in_region) and tensor.HasField("contents"):
+            raise InvalidInputError(f"input {name!r}: give contents, raw_input_contents or a shared memory region, "
+                                    "not several")
         if tensor.datatype == "BYTES" and images_for is not None and name == images_for:
-            images = _images(name, list(tensor.shape), raw[i] if raw else None, tensor)
+            if in_region:
+                raise InvalidInputError(f"input {name!r}: encoded images come in the request, not in shared memory")
+            images = _images(name, list(tensor.shape), raw_of.get(i), tensor)
             continue
         dtype = v2_dtype(name, tensor.datatype)
         shape = list(tensor.shape)
         batches[name] = signature.check_tensor(name, dtype, shape)
         count = math.prod(shape)
-        if raw:
-            arrays[name] = _raw_tensor(name, shape, dtype, count, raw[i], i)
+        if in_region:
+            arrays[name] = shared_input(regions, parameters(tensor.parameters), f"inputs[{i}].parameters", name,
+                                        dtype, shape)
+        elif raw:
+            arrays[name] = _raw_tensor(name, shape, dtype, count, raw_of[i], i)
         else:
             arrays[name] = _typed_tensor(name, shape, dtype, count, tensor)
-    outputs, classes = _requested_outputs(message, signature)
+    outputs, classes = _requested_outputs(message, signature, regions)
     if images is not None:
         return DecodedInfer(None, images, outputs, classes)
     return DecodedInfer(signature.complete(arrays, batches, outputs), outputs=outputs, classification=classes)
@@ -151,7 +171,8 @@ def _typed_tensor(name: str, shape: list[int], dtype: np.dtype, count: int, tens
     return arr.reshape(shape)
 
 
-def _requested_outputs(message: Any, signature: Signature) -> tuple[list[str] | None, dict[str, int]]:
+def _requested_outputs(message: Any, signature: Signature, regions: RegionUse | None
+                       ) -> tuple[list[str] | None, dict[str, int]]:
     """The requested output names (None: all) and the classification extension's k of those asking for it."""
     if not message.outputs:
         return None, {}
@@ -161,7 +182,8 @@ def _requested_outputs(message: Any, signature: Signature) -> tuple[list[str] | 
     for i, output in enumerate(message.outputs):
         requested_output(output.name, known, names)
         params = output.parameters
-        refuse_shared_memory(params.keys(), f"outputs[{i}]")
+        if names_region(params):
+            shared_output(regions, parameters(params), f"outputs[{i}].parameters", output.name)
         if "classification" in params:
             classes[output.name] = class_count(_parameter(params["classification"]),
                                                f"outputs[{i}].parameters.classification")
@@ -180,13 +202,19 @@ def parameters(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _parameter(value) for key, value in mapping.items()}
 
 
-def encode_infer(model: str, version: int, request_id: str, outputs: Mapping[str, np.ndarray]) -> Any:
+def encode_infer(model: str, version: int, request_id: str, outputs: Mapping[str, np.ndarray],
+                 in_shared_memory: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
     """A ``ModelInferResponse`` with every output in ``raw_output_contents`` (an object array of bytes, the
-    classification extension's strings, as a serialized BYTES tensor)."""
+    classification extension's strings, as a serialized BYTES tensor), except those written into shared
+    memory (``in_shared_memory``: their parameters), which come last and without contents, so that
+    ``raw_output_contents[i]`` stays the i-th output's."""
     response = pb.ModelInferResponse(model_name=model, model_version=str(version), id=request_id)
     tensors = response.outputs
     raws = response.raw_output_contents
+    placed = in_shared_memory or {}
     for name, raw in outputs.items():
+        if name in placed:
+            continue
         if raw.dtype == object:
             tensors.add(name=name, datatype="BYTES", shape=raw.shape)
             raws.append(serialize_bytes(list(raw.reshape(-1))))
@@ -197,6 +225,13 @@ def encode_infer(model: str, version: int, request_id: str, outputs: Mapping[str
             arr, datatype = arr.astype(np.float32), "FP32"
         tensors.add(name=name, datatype=datatype, shape=arr.shape)
         raws.append((arr if _LITTLE_ENDIAN else arr.astype(arr.dtype.newbyteorder("<"))).tobytes())
+    for name, params in placed.items():
+        value = outputs[name]
+        tensor = tensors.add(name=name, datatype=NUMPY_TO_KSERVE.get(value.dtype, "FP32"), shape=value.shape)
+        tensor.parameters[REGION].string_param = params[REGION]
+        tensor.parameters[BYTE_SIZE].int64_param = params[BYTE_SIZE]
+        if OFFSET in params:
+            tensor.parameters[OFFSET].int64_param = params[OFFSET]
     return response
 
 

@@ -12,7 +12,8 @@ statistics and error texts, mapped to gRPC status codes (``errors``). Specifics 
   answers by ``id``. When the client cancels or the call ends, every request still queued is cancelled, which
   frees its place in the batching queue.
 * A cancelled unary call cancels its handler, and so its place in the batching queue, the same way.
-* Triton's shared-memory, trace and logging RPCs answer UNIMPLEMENTED with REST's "not supported" text.
+* The shared-memory RPCs are REST's routes (``api.shm``) call for call; trace and logging answer UNIMPLEMENTED
+  with REST's "not supported" text.
 """
 
 from __future__ import annotations
@@ -112,18 +113,20 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             mv = dataplane.model_for_infer(request.model_name, _version(request.model_version))
             trace.resolved(mv)
-            decoded = codecs.decode_infer(request, mv.signature, image_input_name(mv))
-            checked = decoded.request
-            if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
-                assert decoded.images is not None
-                checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
-            trace.submitting(checked)
-            result = await dataplane.infer(mv, checked, alone=dataplane.inflight.alone())
-            trace.done(result)
-            outputs = result.outputs
-            if decoded.classification:
-                outputs = classified(mv, outputs, decoded.classification)
-            response = codecs.encode_infer(mv.name, mv.version, request.id, outputs)
+            with dataplane.regions() as regions:  # the request's shared-memory regions, leased until answered
+                decoded = codecs.decode_infer(request, mv.signature, image_input_name(mv), regions)
+                checked = decoded.request
+                if checked is None:  # encoded images (a BYTES tensor): decoded off the loop
+                    assert decoded.images is not None
+                    checked = await dataplane.image_request(mv, decoded.images, decoded.outputs)
+                trace.submitting(checked)
+                result = await dataplane.infer(mv, checked, alone=dataplane.inflight.alone())
+                trace.done(result)
+                outputs = result.outputs
+                if decoded.classification:
+                    outputs = classified(mv, outputs, decoded.classification)
+                placed = await regions.write_outputs(outputs) if regions.outputs else None
+            response = codecs.encode_infer(mv.name, mv.version, request.id, outputs, placed)
             outcome = "success"
             return response
         except ServiceError as exc:
@@ -172,12 +175,40 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         await self.dataplane.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    SystemSharedMemoryStatus = _unsupported("system_shared_memory")
-    SystemSharedMemoryRegister = _unsupported("system_shared_memory")
-    SystemSharedMemoryUnregister = _unsupported("system_shared_memory")
-    CudaSharedMemoryStatus = _unsupported("cuda_shared_memory")
-    CudaSharedMemoryRegister = _unsupported("cuda_shared_memory")
-    CudaSharedMemoryUnregister = _unsupported("cuda_shared_memory")
+    # ------------------------------------------------------------------ shared memory (service.shared_memory)
+    @_answers
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = self.dataplane.shared_memory.status("system", request.name)
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
+
+    @_answers
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.dataplane.shared_memory.register_system(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_answers
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.to_thread(self.dataplane.shared_memory.unregister, "system", request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_answers
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = self.dataplane.shared_memory.status("cuda", request.name)
+        return pb.CudaSharedMemoryStatusResponse(
+            regions={r["name"]: pb.CudaSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
+
+    @_answers
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.to_thread(self.dataplane.shared_memory.register_cuda, request.name, request.raw_handle,
+                                request.device_id, request.byte_size)  # opening the handle is a CUDA call
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_answers
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.to_thread(self.dataplane.shared_memory.unregister, "cuda", request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     TraceSetting = _unsupported("trace")
     LogSettings = _unsupported("logging")
 

@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from service.runtime.contract import Signature
 from service.runtime.device import CaptureLock, CudaError, CudaRuntime, NoLock
+from service.runtime.device_rows import DeviceRows
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,12 @@ class RowCopier:
         for name, value in bucket.inputs.items():
             address = value.data_ptr()
             for part in parts:
-                array = np.ascontiguousarray(part[name])
+                value = part[name]
+                if isinstance(value, DeviceRows) and value.device_address:  # a client's CUDA region: device to device
+                    cudart.copy(address, value.device_address, value.nbytes)
+                    address += value.nbytes
+                    continue
+                array = np.ascontiguousarray(value)
                 cudart.copy_to_device(address, array.ctypes.data, array.nbytes)
                 address += array.nbytes
         cudart.wait_copies()

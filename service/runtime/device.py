@@ -49,6 +49,10 @@ CPU = "CPUExecutionProvider"
 _ORT_DEFAULT_SEVERITY = 3
 _probe_lock = threading.Lock()
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+_DEFAULT_KIND = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+IPC_HANDLE_BYTES = 64
+"""``sizeof(cudaIpcMemHandle_t)``."""
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 _LIBCUDART = re.compile(r"/libcudart\.so(\.\d+)*$")
 
@@ -266,6 +270,12 @@ class CudaError(RuntimeError):
     """A CUDA runtime call failed; the message names the call and CUDA's own error text."""
 
 
+class IpcHandle(ctypes.Structure):
+    """``cudaIpcMemHandle_t``: passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
 class CudaRuntime:
     """ctypes bindings of the calls used here, on one loaded ``libcudart``."""
 
@@ -280,6 +290,8 @@ class CudaRuntime:
             ("cudaHostUnregister", [vp]),
             ("cudaSetDevice", [c_int]),
             ("cudaGetLastError", []),
+            ("cudaIpcOpenMemHandle", [ctypes.POINTER(vp), IpcHandle, ctypes.c_uint]),
+            ("cudaIpcCloseMemHandle", [vp]),
         ):
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -302,6 +314,23 @@ class CudaRuntime:
         cudaMemcpy is synchronous; from pageable memory it may return before the DMA ends, so the
         legacy default stream that carries it is synchronized (as ORT's own host-to-device copy does)."""
         self._check("cudaMemcpy", self._lib.cudaMemcpy(device_address, host_address, nbytes, _HOST_TO_DEVICE))
+
+    def copy(self, target: int, source: int, nbytes: int) -> None:
+        """Copy between any two addresses of unified addressing (host or device, either way round); a copy
+        between device addresses may still run when this returns (``wait_copies``)."""
+        self._check("cudaMemcpy", self._lib.cudaMemcpy(target, source, nbytes, _DEFAULT_KIND))
+
+    def open_ipc(self, handle: bytes) -> int:
+        """The address in this process of another process's device memory (its ``cudaIpcMemHandle_t``), on
+        the calling thread's device."""
+        address = ctypes.c_void_p()
+        raw = IpcHandle.from_buffer_copy(handle)
+        self._check("cudaIpcOpenMemHandle", self._lib.cudaIpcOpenMemHandle(ctypes.byref(address), raw,
+                                                                          _IPC_LAZY_PEER_ACCESS))
+        return int(address.value or 0)
+
+    def close_ipc(self, address: int) -> None:
+        self._check("cudaIpcCloseMemHandle", self._lib.cudaIpcCloseMemHandle(address))
 
     def wait_copies(self) -> None:
         """Wait for the copies issued by ``copy_to_device`` (the legacy default stream)."""

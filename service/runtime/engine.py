@@ -45,6 +45,7 @@ from service.runtime.buckets import (
 )
 from service.runtime.contract import EngineOptions, PageLocker, Signature, random_feeds
 from service.runtime.device import CUDA_LOCK, CaptureLock, DeviceChoice, NoLock, cuda_runtime
+from service.runtime.device_rows import on_host
 from service.runtime.engine_loading import Variant, load_engine
 from service.runtime.sessions import CUDA_INTRA_OP_THREADS
 from service.runtime.warming import BucketWarming, WarmBuckets
@@ -140,6 +141,8 @@ class OrtEngine(BucketWarming):
             raise EngineError("internal error: a call with no parts")
         sizes = [self._signature_rows(part) for part in parts]
         total = sum(sizes)
+        if self._copier is None or total > self._largest_call():  # only the row copier reads device rows
+            parts = [on_host(part) for part in parts]
         with self._one_caller():
             started = time.perf_counter()
             whole = not self.signature.outputs_batched

@@ -322,6 +322,7 @@ def _worker_main(
     from service.metrics import Metrics
     from service.registry.manager import ModelManager
     from service.server.balance import ConnectionBalancer
+    from service.shared_memory.table import SharedMemory
 
     configure_process(settings)
     metrics = Metrics()
@@ -338,7 +339,11 @@ def _worker_main(
             loaded.set()
         started.set()
 
-    app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=on_started)
+    regions = SharedMemory(settings.shared_memory_mb, Path(addresses[0].buffer_dir) / "regions",
+                           cuda_refusal="the engines run in the engine process (SERVICE_WORKERS > 1, or several "
+                           "devices): use SERVICE_WORKERS=1 with one device")
+    app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=on_started,
+                     shared_memory=regions)
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
     sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)

@@ -1,0 +1,106 @@
+"""Triton's system and CUDA shared-memory extensions over REST (``service.shared_memory`` does the work).
+
+Spoken as Triton speaks them, so ``tritonclient.http``'s ``register_system_shared_memory``,
+``get_system_shared_memory_status``, ``unregister_system_shared_memory`` and their CUDA twins work unchanged:
+
+* ``GET /v2/{kind}/status`` and ``/v2/{kind}/region/{name}/status``: a JSON list of the regions (system:
+  ``name, key, offset, byte_size``; CUDA: ``name, device_id, byte_size``); an unknown name is a 404.
+* ``POST /v2/{kind}/region/{name}/register``: ``{"key", "offset", "byte_size"}`` (system) or
+  ``{"raw_handle": {"b64"}, "device_id", "byte_size"}`` (CUDA); a name registered already is a 409.
+* ``POST /v2/{kind}/unregister`` (every region of the kind) and ``/v2/{kind}/region/{name}/unregister``.
+
+``kind`` is ``systemsharedmemory`` or ``cudasharedmemory``. No admin token: like inference, these are for any
+client that reaches the server (docs/security.md says what a client may register and the limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from .bodies import read_body
+from .codecs import json_response, loads, validate
+from .deps import dataplane_of
+from .schemas import CudaRegionRequest, ErrorBody, SystemRegionRequest, json_body
+
+router = APIRouter(tags=["kserve-v2 shared memory"])
+
+MAX_BODY = 16 * 1024
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409)}
+
+
+async def _body(request: Request, model: type, what: str) -> Any:
+    return validate(model, loads(await read_body(request, MAX_BODY, what), what), what)
+
+
+def _status(request: Request, kind: str, name: str = "") -> Response:
+    return json_response(dataplane_of(request).shared_memory.status(kind, name))
+
+
+async def _unregister(request: Request, kind: str, name: str = "") -> Response:
+    regions = dataplane_of(request).shared_memory
+    await asyncio.to_thread(regions.unregister, kind, name)  # closing a CUDA region is a CUDA call
+    return Response(b"", media_type="application/json")
+
+
+# ------------------------------------------------------------------ system
+@router.get("/v2/systemsharedmemory/status", summary="Every registered system shared-memory region")
+async def system_status(request: Request) -> Response:
+    return _status(request, "system")
+
+
+@router.get("/v2/systemsharedmemory/region/{name}/status", summary="One system region", responses=_ERRORS)
+async def system_region_status(request: Request, name: str) -> Response:
+    return _status(request, "system", name)
+
+
+@router.post("/v2/systemsharedmemory/region/{name}/register", summary="Register a system shared-memory region",
+             responses=_ERRORS, openapi_extra=json_body(SystemRegionRequest))
+async def system_register(request: Request, name: str) -> Response:
+    body = await _body(request, SystemRegionRequest, "system shared memory register request")
+    dataplane_of(request).shared_memory.register_system(name, body.key, body.offset, body.byte_size)
+    return Response(b"", media_type="application/json")
+
+
+@router.post("/v2/systemsharedmemory/unregister", summary="Unregister every system region", responses=_ERRORS)
+async def system_unregister_all(request: Request) -> Response:
+    return await _unregister(request, "system")
+
+
+@router.post("/v2/systemsharedmemory/region/{name}/unregister", summary="Unregister a system region",
+             responses=_ERRORS)
+async def system_unregister(request: Request, name: str) -> Response:
+    return await _unregister(request, "system", name)
+
+
+# ------------------------------------------------------------------ CUDA
+@router.get("/v2/cudasharedmemory/status", summary="Every registered CUDA shared-memory region")
+async def cuda_status(request: Request) -> Response:
+    return _status(request, "cuda")
+
+
+@router.get("/v2/cudasharedmemory/region/{name}/status", summary="One CUDA region", responses=_ERRORS)
+async def cuda_region_status(request: Request, name: str) -> Response:
+    return _status(request, "cuda", name)
+
+
+@router.post("/v2/cudasharedmemory/region/{name}/register", summary="Register a CUDA shared-memory region",
+             responses=_ERRORS, openapi_extra=json_body(CudaRegionRequest))
+async def cuda_register(request: Request, name: str) -> Response:
+    body = await _body(request, CudaRegionRequest, "CUDA shared memory register request")
+    regions = dataplane_of(request).shared_memory
+    await asyncio.to_thread(regions.register_cuda, name, body.raw_handle.b64, body.device_id, body.byte_size)
+    return Response(b"", media_type="application/json")
+
+
+@router.post("/v2/cudasharedmemory/unregister", summary="Unregister every CUDA region", responses=_ERRORS)
+async def cuda_unregister_all(request: Request) -> Response:
+    return await _unregister(request, "cuda")
+
+
+@router.post("/v2/cudasharedmemory/region/{name}/unregister", summary="Unregister a CUDA region", responses=_ERRORS)
+async def cuda_unregister(request: Request, name: str) -> Response:
+    return await _unregister(request, "cuda", name)

@@ -1,0 +1,196 @@
+"""One registered region opened in this process, with the bounds every use is checked against.
+
+System regions are files directly in ``/dev/shm`` (what ``shm_open`` makes), opened without following links,
+and only when the server's own user owns them and nobody else may write them: a client can name no other file,
+and only a process that could stop the server anyway can resize a region under it (a mapped file that shrinks
+ends a reader with SIGBUS, so the size is also checked at every use). CUDA regions are a client's
+``cudaIpcMemHandle_t`` opened on the device that owns it, in the process whose engines run there.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import ctypes
+import math
+import mmap
+import os
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from service.errors import BadRequestError, printable
+from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime
+from service.runtime.device_rows import DeviceRows
+from service.shared_memory.records import RegionRecord
+
+SHM_FOLDER = Path("/dev/shm")
+_KEY = re.compile(r"/?[A-Za-z0-9_.+-]{1,200}")
+
+
+def check_key(key: object) -> str:
+    """A system region's key as ``shm_open`` takes it: an optional leading "/" and a plain file name."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
+        raise BadRequestError(f"shared memory key {printable(key)!r} is not a shm_open name: '/' and up to 200 "
+                              "letters, digits, '_', '.', '+' or '-'")
+    return key
+
+
+def open_shm_file(key: str, folder: Path = SHM_FOLDER) -> int:
+    """A read-write descriptor of the region file ``key`` names; refused unless it is a regular file in
+    ``folder``, owned by this process's user, and writable by nobody else."""
+    path = folder / check_key(key).lstrip("/")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise BadRequestError(f"unable to open shared memory region {key!r}: no such object in {folder}") from None
+    except OSError as exc:
+        raise BadRequestError(f"unable to open shared memory region {key!r}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = "owned by another user than the server's"
+    elif info.st_mode & 0o022:
+        problem = "writable by other users (create it with mode 0600, as shm_open does)"
+    if problem is not None:
+        os.close(fd)
+        raise BadRequestError(f"shared memory region {key!r} is refused: {problem}")
+    return fd
+
+
+class SystemRegion:
+    """A client's system shared-memory region, mapped read-write from the start of its file to its end."""
+
+    kind = "system"
+
+    def __init__(self, record: RegionRecord, folder: Path = SHM_FOLDER) -> None:
+        self.record = record
+        self.end = record.offset + record.byte_size
+        fd = open_shm_file(record.key, folder)
+        try:
+            self._fd = fd
+            self._check_size()
+            self._map = mmap.mmap(fd, self.end)  # from 0: a mapping's offset must be page-aligned
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _check_size(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size < self.end:
+            raise BadRequestError(f"shared memory region {self.record.name!r}: offset {self.record.offset} + "
+                                  f"byte_size {self.record.byte_size} is past the end of {self.record.key!r} "
+                                  f"({size} bytes)")
+
+    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only view of the tensor at ``offset`` in the region (bounds checked by the caller)."""
+        self._check_size()
+        count = math.prod(shape)
+        view = np.frombuffer(self._map, dtype, count, self.record.offset + offset).reshape(shape)
+        view.flags.writeable = False
+        return view
+
+    def write(self, offset: int, array: np.ndarray) -> None:
+        """Copy ``array``'s bytes to ``offset`` in the region (bounds checked by the caller)."""
+        self._check_size()
+        start = self.record.offset + offset
+        data = np.ascontiguousarray(array)
+        target = np.frombuffer(self._map, np.uint8, data.nbytes, start)
+        target[...] = data.reshape(-1).view(np.uint8)
+
+    def close(self) -> None:
+        """Unmap (once no view of it is left: the last one unmaps it) and close the file."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        os.close(self._fd)
+
+
+def ipc_handle(raw: object) -> bytes:
+    """A ``cudaIpcMemHandle_t`` as the client sent it (bytes, or base64 text on REST)."""
+    if isinstance(raw, str):
+        try:
+            raw = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequestError("raw_handle is not valid base64") from None
+    if not isinstance(raw, bytes) or len(raw) != IPC_HANDLE_BYTES:
+        raise BadRequestError(f"raw_handle must be a cudaIpcMemHandle_t of {IPC_HANDLE_BYTES} bytes")
+    return raw
+
+
+def _allocation_size(address: int) -> int | None:
+    """The size of the device allocation holding ``address`` (the driver's ``cuMemGetAddressRange``); None
+    where the driver library cannot be asked."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        function = driver.cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    function.restype = ctypes.c_int
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if function(ctypes.byref(base), ctypes.byref(size), address) != 0:
+        return None
+    return int(size.value) - (address - int(base.value))
+
+
+class CudaRegion:
+    """A client's CUDA shared-memory region: its ``cudaIpcMemHandle_t`` opened on its device in this process.
+
+    Inputs are not copied here: ``read`` gives ``DeviceRows`` that the engine copies device to device into its
+    bucket. Every CUDA call holds the capture lock shared (``runtime.device.CUDA_LOCK``)."""
+
+    kind = "cuda"
+
+    def __init__(self, record: RegionRecord, runtime: CudaRuntime) -> None:
+        self.record = record
+        self.runtime = runtime
+        handle = ipc_handle(record.raw_handle)
+        with _cuda(runtime, record.device_id):
+            try:
+                self.address = runtime.open_ipc(handle)
+            except CudaError as exc:
+                raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: the handle "
+                                      f"does not open on device {record.device_id} ({exc})") from None
+        size = _allocation_size(self.address)
+        if size is not None and record.byte_size > size:
+            self.close()
+            raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: byte_size "
+                                  f"{record.byte_size} is larger than the allocation ({size} bytes)")
+
+    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return DeviceRows.at(self.runtime, self.record.device_id, self.address + offset, dtype, shape)
+
+    def write(self, offset: int, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array)
+        with _cuda(self.runtime, self.record.device_id):
+            self.runtime.copy(self.address + offset, data.ctypes.data, data.nbytes)
+            self.runtime.wait_copies()
+
+    def close(self) -> None:
+        with _cuda(self.runtime, self.record.device_id):
+            try:
+                self.runtime.close_ipc(self.address)
+            except CudaError:
+                pass
+
+
+@contextlib.contextmanager
+def _cuda(runtime: CudaRuntime, device_id: int) -> Iterator[None]:
+    """CUDA calls on ``device_id``, kept apart from graph captures."""
+    CUDA_LOCK.acquire_shared()
+    try:
+        runtime.set_device(device_id)
+        yield
+    finally:
+        CUDA_LOCK.release_shared()
+
+
+Region = SystemRegion | CudaRegion
