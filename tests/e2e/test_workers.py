@@ -275,3 +275,57 @@ def test_a_dead_engine_process_brings_everything_back(tmp_path: Path) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         conn.close()
         assert server.terminate() == 0
+
+
+def test_a_region_registered_on_one_worker_serves_requests_on_every_worker(tmp_path: Path) -> None:
+    """Triton's clients register a region once and send requests over any connection: the workers share the
+    registrations (one record each in the supervisor's folder); an input is read from the region into the batch
+    buffer, an output written into the region; unregistered on one worker, the region is gone for all."""
+    model = tiny_cnn(seed=5)
+    x = np.random.default_rng(4).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    want = reference(model, {"input": x})["logits"]
+    key = f"/onnxcnn-workers-{os.getpid()}"
+    region = Path("/dev/shm") / key[1:]
+    fd = os.open(region, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4096 + x.nbytes)
+        os.pwrite(fd, x.tobytes(), 4096)
+        env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
+        with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
+            pids = worker_pids(server.pid)
+            conns = one_connection_per_worker(server.port, pids)
+            (_, a), (_, b) = sorted(conns.items())
+            status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
+            assert status == 201, body
+            for conn in conns.values():
+                conn.close()
+            conns = one_connection_per_worker(server.port, pids)
+            (_, a), (_, b) = sorted(conns.items())
+            wait_status(b, "/v2/models/tiny/ready", 200)
+            json_headers = {"content-type": "application/json"}
+            register = json.dumps({"key": key, "offset": 0, "byte_size": 4096 + x.nbytes}).encode()
+            assert call(a, "POST", "/v2/systemsharedmemory/region/r/register", register, json_headers)[0] == 200
+            infer = json.dumps({
+                "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "parameters": {
+                    "shared_memory_region": "r", "shared_memory_byte_size": x.nbytes, "shared_memory_offset": 4096}}],
+                "outputs": [{"name": "logits", "parameters": {"shared_memory_region": "r",
+                                                              "shared_memory_byte_size": 4096}}],
+            }).encode()
+            for conn in (b, a):
+                os.pwrite(fd, bytes(4096), 0)
+                status, body = call(conn, "POST", "/v2/models/tiny/infer", infer, json_headers)
+                assert status == 200, body
+                answer = json.loads(body)["outputs"][0]
+                assert "data" not in answer and answer["parameters"]["shared_memory_region"] == "r"
+                got = np.frombuffer(os.pread(fd, want.nbytes, 0), np.float32).reshape(want.shape)
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            assert call(b, "POST", "/v2/systemsharedmemory/region/r/unregister")[0] == 200
+            status, body = call(a, "POST", "/v2/models/tiny/infer", infer, json_headers)
+            assert status == 400 and b"unable to find shared memory region: 'r'" in body, body
+            assert json.loads(call(a, "GET", "/v2/systemsharedmemory/status")[1]) == []
+            for conn in conns.values():
+                conn.close()
+            assert server.terminate() == 0
+    finally:
+        os.close(fd)
+        region.unlink()

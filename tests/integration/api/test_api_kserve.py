@@ -263,8 +263,15 @@ BAD = [
     pytest.param(
         _raw(_with(parameters={"shared_memory_region": "r", "shared_memory_byte_size": 768})),
         {},
-        "shared-memory",
-        id="shared-memory",
+        "give data, binary_data_size or a shared memory region, not several",
+        id="shared-memory-and-data",
+    ),
+    pytest.param(
+        _raw({"inputs": [{k: v for k, v in GOOD_IN.items() if k != "data"} | {"parameters": {
+            "shared_memory_region": "r", "shared_memory_byte_size": 768}}]}),
+        {},
+        "unable to find shared memory region: 'r'",
+        id="shared-memory-unknown-region",
     ),
     pytest.param(
         _raw({"inputs": [GOOD_IN], "parameters": {"binary_data_output": "yes"}}),

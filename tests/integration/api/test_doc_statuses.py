@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import re
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -128,10 +130,58 @@ async def invalid_model(env: Env) -> set[int]:
 
 
 async def missing_extension(env: Env) -> set[int]:
-    answers = [await env.client.get("/v2/trace/setting"), await env.client.post("/v2/logging", json={}),
-               await env.client.get("/v2/systemsharedmemory/status")]
+    answers = [await env.client.get("/v2/trace/setting"), await env.client.post("/v2/logging", json={})]
     assert all("is not supported by this server" in r.json()["error"] for r in answers), [r.text for r in answers]
     return _statuses(*answers)
+
+
+def _shm_file(size: int) -> tuple[str, Path]:
+    """A region file of the test's user in /dev/shm (mode 0600, as shm_open makes it)."""
+    key = f"/doc-statuses-{uuid.uuid4().hex[:10]}"
+    path = Path("/dev/shm") / key[1:]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    return key, path
+
+
+async def shared_memory_bounds(env: Env) -> set[int]:
+    key, path = _shm_file(768)
+    try:
+        register = await env.client.post("/v2/systemsharedmemory/region/doc/register",
+                                         json={"key": key, "offset": 0, "byte_size": 768})
+        assert register.status_code == 200, register.text
+        region = {"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32"}
+        past = await env.v2([{**region, "parameters": {"shared_memory_region": "doc", "shared_memory_byte_size": 768,
+                                                       "shared_memory_offset": 8}}])
+        unknown = await env.v2([{**region, "parameters": {"shared_memory_region": "nope",
+                                                          "shared_memory_byte_size": 768}}])
+        outside = await env.client.post("/v2/systemsharedmemory/region/x/register",
+                                        json={"key": "/../etc/passwd", "byte_size": 8})
+        return _statuses(past, unknown, outside)
+    finally:
+        await env.client.post("/v2/systemsharedmemory/unregister")
+        path.unlink()
+
+
+async def shared_memory_unknown(env: Env) -> set[int]:
+    return _statuses(await env.client.get("/v2/systemsharedmemory/region/nope/status"),
+                     await env.client.get("/v2/cudasharedmemory/region/nope/status"))
+
+
+async def shared_memory_conflict(env: Env) -> set[int]:
+    key, path = _shm_file(64)
+    try:
+        body = {"key": key, "offset": 0, "byte_size": 64}
+        first = await env.client.post("/v2/systemsharedmemory/region/twice/register", json=body)
+        assert first.status_code == 200, first.text
+        again = await env.client.post("/v2/systemsharedmemory/region/twice/register", json=body)
+        huge = await env.client.post("/v2/systemsharedmemory/region/huge/register",
+                                     json={**body, "byte_size": 1 << 50})
+        return _statuses(again, huge)
+    finally:
+        await env.client.post("/v2/systemsharedmemory/unregister")
+        path.unlink()
 
 
 async def no_token(env: Env) -> set[int]:
@@ -325,8 +375,13 @@ CASES: dict[str, Case] = {
     "a model version that is not a positive integer, on any route": bad_version,
     "a model refused at upload as invalid or unsafe: not ONNX, external data, a custom operator domain, sizes set "
     "by request values": invalid_model,
-    'a Triton extension this server lacks: trace, logging, shared memory ("... is not supported by this server"; '
-    "gRPC: UNIMPLEMENTED)": missing_extension,
+    'a Triton extension this server lacks: trace, logging ("... is not supported by this server"; gRPC: '
+    "UNIMPLEMENTED)": missing_extension,
+    "a tensor naming a shared-memory region that is not registered, or bytes past its end; a region key that is "
+    "not a file of the server's user directly in `/dev/shm`": shared_memory_bounds,
+    "the status of a shared-memory region that is not registered": shared_memory_unknown,
+    "a shared-memory region registered twice, or past the server's limits (`SERVICE_SHARED_MEMORY_MB`, 64 "
+    "regions)": shared_memory_conflict,
     "an upload, delete, load or unload without the admin token, or with a wrong one": no_token,
     "an upload, delete, load or unload on a server started without `SERVICE_ADMIN_TOKEN`": management_off,
     "an unknown model": unknown_model,

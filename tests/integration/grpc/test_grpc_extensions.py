@@ -217,18 +217,9 @@ def test_without_an_admin_token_management_is_forbidden(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ not supported, metrics
-SYSTEM_SHM, CUDA_SHM = "the system shared-memory extension", "the CUDA shared-memory extension"
-
-
 @pytest.mark.parametrize(
     ("call", "args", "text"),
     [
-        ("get_system_shared_memory_status", (), SYSTEM_SHM),
-        ("register_system_shared_memory", ("region", "/shm-key", 768), SYSTEM_SHM),
-        ("unregister_system_shared_memory", (), SYSTEM_SHM),
-        ("get_cuda_shared_memory_status", (), CUDA_SHM),
-        ("register_cuda_shared_memory", ("region", b"aGFuZGxl", 0, 768), CUDA_SHM),
-        ("unregister_cuda_shared_memory", ("region",), CUDA_SHM),
         ("get_trace_settings", (), "the trace extension"),
         ("update_trace_settings", ("tiny", {"trace_level": ["TIMESTAMPS"]}), "the trace extension"),
         ("get_log_settings", (), "the logging extension"),
