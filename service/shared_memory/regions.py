@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import BadRequestError, printable
+from service.errors import BadRequestError, NotSupportedError, printable
 from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime
 from service.runtime.device_rows import DeviceRows
 from service.shared_memory.records import RegionRecord
@@ -153,12 +153,16 @@ class CudaRegion:
         self.record = record
         self.runtime = runtime
         handle = ipc_handle(record.raw_handle)
-        with _cuda(runtime, record.device_id):
-            try:
-                self.address = runtime.open_ipc(handle)
-            except CudaError as exc:
-                raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: the handle "
-                                      f"does not open on device {record.device_id} ({exc})") from None
+        try:
+            with _cuda(runtime, record.device_id):
+                try:
+                    self.address = runtime.open_ipc(handle)
+                except CudaError as exc:
+                    raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: the "
+                                          f"handle does not open on device {record.device_id} ({exc})") from None
+        except CudaError as exc:  # the device itself cannot be used here
+            raise NotSupportedError(f"CUDA shared memory is not available: device {record.device_id} cannot be used "
+                                    f"here ({exc})") from None
         size = _allocation_size(self.address)
         if size is not None and record.byte_size > size:
             self.close()

@@ -4,7 +4,7 @@ Semantics are Triton's, so tritonclient's helpers and examples work unchanged: a
 (again only after unregistering it); unregistering a name that is not registered, or an empty name (every
 region of that kind), succeeds; a status of an unknown name is a 404. Unregistering a region that requests
 are using takes it away at once for new requests (a 400 that names it) and closes it when the last of those
-requests is answered, so an in-flight request never reads unmapped memory.
+requests is answered (a region opened here that another worker unregistered: at the next request naming it), so an in-flight request never reads unmapped memory.
 
 Limits per server (all workers together): ``MAX_REGIONS`` regions and ``SERVICE_SHARED_MEMORY_MB`` MiB of
 registered bytes; 0 MiB turns both extensions off.
@@ -18,6 +18,7 @@ import fcntl
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ class SharedMemory:
         self._open: dict[str, _Open] = {}
         self._retiring: list[_Open] = []
         self._lock = threading.Lock()
+        self._closer: ThreadPoolExecutor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +75,7 @@ class SharedMemory:
 
     def register_cuda(self, name: str, raw_handle: object, device_id: object, byte_size: object) -> None:
         """Opens the handle (CUDA calls: run it off the event loop)."""
+        self._check_enabled("cuda")
         handle = ipc_handle(raw_handle)
         record = RegionRecord(_name(name), "cuda", _size(byte_size, "byte_size", 1),
                               device_id=_size(device_id, "device_id", 0),
@@ -90,7 +93,6 @@ class SharedMemory:
             self.records.remove(record.name)
             with self._lock:
                 self._retire(record.name)
-        self.reap()
 
     def status(self, kind: str, name: str = "") -> list[dict[str, Any]]:
         self._check_enabled(kind)
@@ -106,52 +108,36 @@ class SharedMemory:
 
     # ------------------------------------------------------------------ requests
     def lease(self, name: str) -> Region:
-        """The registered region ``name``, open here and leased until ``release(name)``."""
+        """The registered region ``name``, open here and leased until ``release``."""
         if not self.enabled:
             raise NotSupportedError("the shared-memory extensions are turned off on this server "
                                     "(SERVICE_SHARED_MEMORY_MB=0)")
         stamp = self.records.stamp(name)
         with self._lock:
             current = self._open.get(name)
-            if current is not None and (stamp is None or current.stamp != stamp):
-                self._retire(name)
-                current = None
+            if current is not None and current.stamp == stamp:
+                current.users += 1
+                return current.region
+            self._retire(name)  # unregistered, or registered again since it was opened here
         if stamp is None:
             raise BadRequestError(f"unable to find shared memory region: {printable(name)!r}")
-        if current is None:
-            current = self._open_region(name)
-        with self._lock:
-            current.users += 1
-        return current.region
+        return self._open_region(name)
 
     def hold(self, region: Region) -> None:
         """One more lease of a region leased already (from any thread)."""
         self._count(region, 1)
 
     def release(self, region: Region) -> None:
-        """One lease of ``region`` ends (from any thread)."""
+        """One lease of ``region`` ends (from any thread); a retired region closes with its last lease."""
         self._count(region, -1)
-
-    def _count(self, region: Region, change: int) -> None:
-        with self._lock:
-            for entry in (self._open.get(region.record.name), *self._retiring):
-                if entry is not None and entry.region is region:
-                    entry.users += change
-                    return
-
-    def reap(self) -> None:
-        """Close the retired regions no request uses any more (CUDA calls: off the event loop)."""
-        with self._lock:
-            done = [e for e in self._retiring if e.users <= 0]
-            self._retiring = [e for e in self._retiring if e.users > 0]
-        for entry in done:
-            entry.region.close()
 
     def close(self) -> None:
         """The server is stopping: every region closed; a private record folder removed."""
         with self._lock:
             entries = list(self._open.values()) + self._retiring
             self._open, self._retiring = {}, []
+        if self._closer is not None:
+            self._closer.shutdown(wait=True)
         for entry in entries:
             entry.region.close()
         if self._private:
@@ -178,13 +164,13 @@ class SharedMemory:
         found = self.records.read(record.name)
         with self._lock:
             self._retire(record.name)
-            if found is not None and found[0] == record:
-                self._open[record.name] = _Open(region, found[1])
-            else:  # unregistered meanwhile
-                self._retiring.append(_Open(region, (0, 0), retired=True))
-        self.reap()
+            entry = _Open(region, found[1] if found is not None else (0, 0))
+            self._open[record.name] = entry
+            if found is None or found[0] != record:  # unregistered meanwhile
+                self._retire(record.name)
 
-    def _open_region(self, name: str) -> _Open:
+    def _open_region(self, name: str) -> Region:
+        """Open the registered region ``name`` here, leased once."""
         found = self.records.read(name)
         if found is None:
             raise BadRequestError(f"unable to find shared memory region: {printable(name)!r}")
@@ -196,21 +182,48 @@ class SharedMemory:
             region: Region = CudaRegion(record, runtime)
         else:
             region = SystemRegion(record, self._shm_folder)
-        entry = _Open(region, stamp)
+        entry = _Open(region, stamp, users=1)
         with self._lock:
             self._retire(name)
             self._open[name] = entry
-        return entry
+        return region
 
     def _retire(self, name: str) -> None:
-        """(lock held) ``name``'s open region leaves the table; closed by ``reap`` once unused."""
+        """(lock held) ``name``'s open region leaves the table; it closes now if unused, else with its last lease."""
         entry = self._open.pop(name, None)
         if entry is not None:
             entry.retired = True
             self._retiring.append(entry)
+            self._close_if_unused(entry)
+
+    def _count(self, region: Region, change: int) -> None:
+        with self._lock:
+            for entry in (self._open.get(region.record.name), *self._retiring):
+                if entry is not None and entry.region is region:
+                    entry.users += change
+                    if entry.retired:
+                        self._close_if_unused(entry)
+                    return
+
+    def _close_if_unused(self, entry: _Open) -> None:
+        """(lock held) Close a retired region nobody uses: a system region at once (an unmap), a CUDA one on
+        the closer thread (a CUDA call may wait for a graph capture; the caller may be the event loop)."""
+        if entry.users > 0:
+            return
+        self._retiring.remove(entry)
+        if entry.region.kind == "cuda":
+            if self._closer is None:
+                self._closer = ThreadPoolExecutor(1, thread_name_prefix="cuda-region-close")
+            self._closer.submit(entry.region.close)
+        else:
+            entry.region.close()
 
     def _record(self, name: str) -> RegionRecord | None:
-        found = self.records.read(_name(name))
+        """The record of ``name``; None when it is not registered (or could not be: an invalid name)."""
+        try:
+            found = self.records.read(_name(name))
+        except BadRequestError:
+            return None
         return None if found is None else found[0]
 
     def _check_enabled(self, kind: str) -> None:
