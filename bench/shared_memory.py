@@ -312,8 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with running(server, args.ready_timeout) as srv:
         import httpx
 
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "content-type": "application/octet-stream"}
         upload = httpx.post(f"{srv.url}/v1/models/{TRANSPORT_MODEL}", content=transport_model(), timeout=300,
-                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "content-type": "application/octet-stream"})
+                            headers=headers)
         if upload.status_code != 201:
             raise RuntimeError(f"the transport model was refused: {upload.status_code} {upload.text[:300]}")
         for model in (TRANSPORT_MODEL, DEMO_MODEL):

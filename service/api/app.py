@@ -83,7 +83,8 @@ def create_app(
     app.state.lifecycle = Lifecycle(dataplane, serve_before_ready=serve_before_ready, on_started=on_started)
     app.state.inflight = dataplane.inflight  # shared with gRPC: "alone" means alone on both protocols
     install_error_handlers(app)
-    for module in (health, predict, extensions, shm, v2, management, metrics_route):  # extensions first: /v2/models/stats
+    # extensions before v2: /v2/models/stats is not the metadata of a model named "stats"
+    for module in (health, predict, extensions, shm, v2, management, metrics_route):
         app.include_router(module.router)
     _document_bodies(app)
     install_docs(app)

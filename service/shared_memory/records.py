@@ -9,6 +9,7 @@ one it opened, so an unregistered or re-registered region is noticed at the next
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -113,7 +114,5 @@ class RecordFolder:
             return
         for path in self._folder.glob("*"):
             path.unlink(missing_ok=True)
-        try:
+        with contextlib.suppress(OSError):  # not empty: another process's file appeared
             self._folder.rmdir()
-        except OSError:
-            pass

@@ -13,6 +13,7 @@ import base64
 import binascii
 import contextlib
 import ctypes
+import logging
 import math
 import mmap
 import os
@@ -28,6 +29,7 @@ from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaR
 from service.runtime.device_rows import DeviceRows
 from service.shared_memory.records import RegionRecord
 
+log = logging.getLogger(__name__)
 SHM_FOLDER = Path("/dev/shm")
 _KEY = re.compile(r"/?[A-Za-z0-9_.+-]{1,200}")
 
@@ -106,10 +108,8 @@ class SystemRegion:
 
     def close(self) -> None:
         """Unmap (once no view of it is left: the last one unmaps it) and close the file."""
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with the last one
             self._map.close()
-        except BufferError:
-            pass
         os.close(self._fd)
 
 
@@ -179,11 +179,12 @@ class CudaRegion:
             self.runtime.wait_copies()
 
     def close(self) -> None:
-        with _cuda(self.runtime, self.record.device_id):
-            try:
+        """Close the handle; a failure is logged (the client's memory is its own to free)."""
+        try:
+            with _cuda(self.runtime, self.record.device_id):
                 self.runtime.close_ipc(self.address)
-            except CudaError:
-                pass
+        except CudaError as exc:
+            log.warning("CUDA shared memory region %r did not close: %s", self.record.name, exc)
 
 
 @contextlib.contextmanager

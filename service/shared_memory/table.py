@@ -4,7 +4,8 @@ Semantics are Triton's, so tritonclient's helpers and examples work unchanged: a
 (again only after unregistering it); unregistering a name that is not registered, or an empty name (every
 region of that kind), succeeds; a status of an unknown name is a 404. Unregistering a region that requests
 are using takes it away at once for new requests (a 400 that names it) and closes it when the last of those
-requests is answered (a region opened here that another worker unregistered: at the next request naming it), so an in-flight request never reads unmapped memory.
+requests is answered, so an in-flight request never reads unmapped memory (a region that another worker
+unregistered closes here at the next request that names it).
 
 Limits per server (all workers together): ``MAX_REGIONS`` regions and ``SERVICE_SHARED_MEMORY_MB`` MiB of
 registered bytes; 0 MiB turns both extensions off.

@@ -62,7 +62,7 @@ class Server:
             SERVICE_SHUTDOWN_GRACE_S=str(GRACE_S),
             SERVICE_LOG_LEVEL="info",
             SERVICE_GRPC_PORT="0",
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),  # the caller's too
         )
         full_env.update(env or {})
         self.grace_s = float(full_env["SERVICE_SHUTDOWN_GRACE_S"])
