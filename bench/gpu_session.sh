@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
 #   bench/gpu_session.sh PART [PART...]
-# PART: check | triton | tests | fused | fault | kbuild | census | cold | coldwarm | coldfresh | engine | service | all
+# PART: check | triton | tests | fused | fault | kbuild | census | cold | coldwarm | coldfresh | engine | shm |
+#       service | all
 #   check       nvidia-smi, versions, httptools
 #   triton      installs Triton's server (.gpu/triton/nvidia_pytriton-*.whl, staged by bench/stage_triton.sh and
 #               carried in a call of its own: the script's header says how) into /tmp/site once, and checks that
@@ -16,7 +17,10 @@
 #   kbuild      python3 -m kernels.build (the fused-op library; skipped when already built from these sources)
 #   census      bench/kernel_census.py: kernels per batch-1 inference, before/after the fused ops where built
 #   engine      bench/engine.py (ENGINE_ARGS; the tuner also times the fused-op variant where it is built)
-#   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS, ROUNDS); SERVERS defaults to
+#   shm         bench/shared_memory.py --device cuda: a lone request in system and CUDA shared memory against the
+#               body, alternating (CUDA needs cuda.bindings: ../shared/gpu/stage cuda-bindings)
+#   service     bench/service.py --device cuda (SERVERS, SERIES, CONCURRENCY, WORKERS, ROUNDS, SERVICE_ARGS such as
+#               --shared-memory); SERVERS defaults to
 #               client_ceiling,service,service_workers, plus triton where the triton part installed it (then
 #               Triton and our servers run side by side in ROUNDS alternating rounds: e.g. SERIES=binary,grpc)
 # Parts run in the order given. Everything lands under $OUT/session and is packed into $OUT/session.tgz at
@@ -103,14 +107,19 @@ PY
     engine|all)
       run engine "${ENGINE_TIMEOUT_S:-560}" python3 bench/engine.py --deadline-s "${ENGINE_DEADLINE_S:-500}" \
         --out-dir "$S" ${ENGINE_ARGS:-} ;;&
+    shm|all)
+      run shared-memory "${SHM_TIMEOUT_S:-300}" python3 bench/shared_memory.py --device cuda \
+        --out "$S/shared-memory-cuda.json" ;;&
     service|all)
       servers=client_ceiling,service,service_workers
       python3 -c 'import sys; sys.path.insert(0, "."); from bench.triton_repository import TritonInstall as T
 sys.exit(T.find() is None)' 2>/dev/null && servers=$servers,triton
+      # shellcheck disable=SC2086
       run service "${SERVICE_TIMEOUT_S:-560}" python3 bench/service.py --device cuda --quick \
         --servers "${SERVERS:-$servers}" --workers "${WORKERS:-4}" --rounds "${ROUNDS:-2}" \
-        --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" --out "$S/service-cuda.json" ;;&
-    check|triton|tests|fused|fault|kbuild|census|cold|coldwarm|coldfresh|engine|service|all) ;;
+        --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" ${SERVICE_ARGS:-} \
+        --out "$S/service-cuda.json" ;;&
+    check|triton|tests|fused|fault|kbuild|census|cold|coldwarm|coldfresh|engine|shm|service|all) ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

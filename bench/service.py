@@ -28,7 +28,9 @@ In ONE run, on the demo model (zoo ``mobilenet_v3_large``):
    worker, sending one prebuilt, serialized ``ModelInferRequest`` with ``raw_input_contents`` (no protobuf
    work per call but parsing the answer). At each concurrency the series run one after the other, so gRPC
    and REST binary alternate within one server run; a lone request of each (blocking client: http.client,
-   grpc's sync stub) is measured first.
+   grpc's sync stub) is measured first; with ``--shared-memory`` also the same lone request in Triton's
+   shared memory against the body (bench/shared_memory.py: the input and output in a system region; on a GPU
+   in device memory too), alternating.
 
 Reported per point: throughput (samples/s), p50/p99 latency, the mean engine batch (from the server's
 /metrics) and the throughput as a fraction of the engine's own at that batch size. Summary: a single
@@ -1004,6 +1006,21 @@ def lone_rows(server: Server, payloads: Sequence[Payload]) -> list[dict]:
     return rows
 
 
+def shared_memory_rows(server: Server, args: argparse.Namespace) -> list[dict]:
+    """``bench/shared_memory.py``'s pairs on one of our servers (CUDA only where its engine runs in the server
+    process: one worker); rows with ``series`` ``shm_sync``, ``grpc_shm_sync``, ``cuda_shm_sync``."""
+    from bench import shared_memory
+
+    in_process = server.env.get("SERVICE_WORKERS", "1") == "1"
+    found, skipped = shared_memory.paired_rows(server.url, server.grpc_target, args.input_meta, args.output_meta,
+                                               cuda=args.device_kind == "cuda" and in_process, rounds=4, requests=100)
+    for reason in skipped:
+        print(f"  {server.name}: not run: {reason}", flush=True)
+    return [{"server": server.name, **row, "series": f"{row['series']}_sync", "baseline": f"{row['baseline']}_sync",
+             "concurrency": 1, "throughput": 1e3 / row["mean_ms"], "mean_batch": 1.0, "errors": 0,
+             "engine_fraction": None} for row in found]
+
+
 @dataclass
 class Measured:
     """One round of one load point: what the client saw and, from the server, samples and engine calls, cores
@@ -1078,6 +1095,8 @@ def bench_servers(servers: Sequence[Server], usable: dict[str, Sequence[Payload]
     with running_together(servers, args.ready_timeout):
         for server in servers:
             rows.extend(lone_rows(server, usable[server.name]))
+            if args.shared_memory and server.name.startswith("service"):
+                rows.extend(shared_memory_rows(server, args))
         for concurrency in args.concurrency:
             measured: dict[tuple[str, str], list[Measured]] = {}
             for index in range(rounds):
@@ -1248,6 +1267,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--series", default="binary,json",
                         help="comma-separated: binary, json, grpc (unary ModelInfer), grpc_stream (ModelStreamInfer), "
                         "binary_bN (requests of N samples each)")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="also a lone request of each of our servers in Triton's shared memory against the same "
+                        "in the body (bench/shared_memory.py's pairs: system, and CUDA on a GPU with cuda.bindings)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/service-<date>-<dev>.json)")
     parser.add_argument(
@@ -1325,6 +1347,7 @@ def _run(args, head, device: str, work: Path, model_dir: Path, logs: Path) -> in
             raise RuntimeError(f"the demo model is not served ({reply.status_code} {reply.text[:300]}); "
                                f"server log:\n{srv.log_tail(80)}")
     input_meta, output_meta = meta["inputs"][0], meta["outputs"][0]
+    args.input_meta, args.output_meta, args.device_kind = input_meta, output_meta, device  # --shared-memory
     per_sample_out = math.prod(d for d in output_meta["shape"][1:])
 
     payloads = [make_payload(s, input_meta, output_meta["name"], per_sample_out) for s in args.series]

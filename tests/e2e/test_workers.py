@@ -295,7 +295,8 @@ def test_a_region_registered_on_one_worker_serves_requests_on_every_worker(tmp_p
             pids = worker_pids(server.pid)
             conns = one_connection_per_worker(server.port, pids)
             (_, a), (_, b) = sorted(conns.items())
-            status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
+            headers = {**AUTH, "content-type": "application/octet-stream"}
+            status, body = call(a, "POST", "/v1/models/tiny", model, headers)
             assert status == 201, body
             for conn in conns.values():
                 conn.close()
