@@ -400,6 +400,14 @@ class CaptureLock:
                 self._cond.wait()
             self._shared += 1
 
+    def try_acquire_shared(self) -> bool:
+        """``acquire_shared`` if that would not wait (no capture running or waiting); False otherwise."""
+        with self._cond:
+            if self._exclusive or self._waiting:
+                return False
+            self._shared += 1
+            return True
+
     def release_shared(self) -> None:
         with self._cond:
             self._shared -= 1

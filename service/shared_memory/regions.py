@@ -172,11 +172,21 @@ class CudaRegion:
     def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return DeviceRows.at(self.runtime, self.record.device_id, self.address + offset, dtype, shape)
 
-    def write(self, offset: int, array: np.ndarray) -> None:
-        data = np.ascontiguousarray(array)
-        with _cuda(self.runtime, self.record.device_id):
+    def write(self, offset: int, array: np.ndarray, *, wait: bool = True) -> bool:
+        """Copy ``array`` to ``offset`` in the region; with ``wait`` False only if no graph capture is running or
+        waiting (returns whether it wrote: the event loop must not wait for a capture)."""
+        if wait:
+            CUDA_LOCK.acquire_shared()
+        elif not CUDA_LOCK.try_acquire_shared():
+            return False
+        try:
+            data = np.ascontiguousarray(array)
+            self.runtime.set_device(self.record.device_id)
             self.runtime.copy(self.address + offset, data.ctypes.data, data.nbytes)
             self.runtime.wait_copies()
+        finally:
+            CUDA_LOCK.release_shared()
+        return True
 
     def close(self) -> None:
         """Close the handle; a failure is logged (the client's memory is its own to free)."""

@@ -26,7 +26,7 @@ import numpy as np
 from service.errors import BadRequestError, InvalidInputError
 from service.runtime.contract import NUMPY_TO_KSERVE
 from service.runtime.device_rows import DeviceRows
-from service.shared_memory.regions import Region
+from service.shared_memory.regions import CudaRegion, Region
 from service.shared_memory.table import SharedMemory
 
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
@@ -101,17 +101,15 @@ class RegionUse:
             if value.dtype == object or value.nbytes > slot.byte_size:
                 raise BadRequestError(f"shared memory size specified with the request for output {name!r} should be "
                                       f"at least {value.nbytes} bytes to hold the results")
-        if any(slot.region.kind == "cuda" for slot in self.outputs.values()):
-            await asyncio.to_thread(self._write, placed)  # CUDA calls wait for graph captures: off the loop
-        else:
-            self._write(placed)
-        return {name: self._parameters(self.outputs[name], value.nbytes) for name, value in placed.items()}
-
-    def _write(self, placed: Mapping[str, np.ndarray]) -> None:
         for name, value in placed.items():
             slot = self.outputs[name]
             wire = value if value.dtype.byteorder != ">" else value.astype(value.dtype.newbyteorder("<"))
-            slot.region.write(slot.offset, wire)
+            if isinstance(slot.region, CudaRegion):  # a copy to the device: here unless a graph capture would
+                if not slot.region.write(slot.offset, wire, wait=False):  # make the event loop wait for it
+                    await asyncio.to_thread(slot.region.write, slot.offset, wire)
+            else:
+                slot.region.write(slot.offset, wire)
+        return {name: self._parameters(self.outputs[name], value.nbytes) for name, value in placed.items()}
 
     @staticmethod
     def _parameters(slot: Slot, nbytes: int) -> dict[str, Any]:

@@ -185,3 +185,20 @@ def test_the_cpu_provider_needs_no_lock() -> None:
         lock.acquire_shared()
         lock.release_shared()
         lock.release_exclusive()
+
+
+def test_try_acquire_shared_never_waits_for_a_capture() -> None:
+    lock = cudart.CaptureLock()
+    assert lock.try_acquire_shared()  # nobody captures: taken
+    waiting = threading.Thread(target=lock.acquire_exclusive)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while not lock._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not lock.try_acquire_shared()  # a capture waits: refused at once, not queued behind it
+    lock.release_shared()
+    waiting.join(5)
+    assert not lock.try_acquire_shared()  # a capture runs
+    lock.release_exclusive()
+    assert lock.try_acquire_shared()
+    lock.release_shared()
