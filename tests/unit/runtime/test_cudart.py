@@ -52,7 +52,7 @@ class FakeLibrary:
 
     def __init__(self, status: int = 0) -> None:
         for name in ("cudaMemcpy", "cudaStreamSynchronize", "cudaHostRegister", "cudaHostUnregister",
-                     "cudaSetDevice", "cudaGetLastError"):
+                     "cudaSetDevice", "cudaGetLastError", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"):
             setattr(self, name, FakeFunction(status))
         self.cudaGetErrorString = FakeFunction(b"invalid argument")
 
@@ -71,6 +71,21 @@ def test_calls_pass_their_arguments() -> None:
     assert lib.cudaStreamSynchronize.calls == [(None,)]  # the legacy default stream
     assert lib.cudaSetDevice.calls == [(1,)]
     assert lib.cudaMemcpy.argtypes == [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def test_ipc_calls_pass_the_handle_by_value_and_copies_take_any_direction() -> None:
+    lib = FakeLibrary()
+    runtime = cudart.CudaRuntime(lib, "fake")  # type: ignore[arg-type]
+    handle = bytes(range(64))
+    assert runtime.open_ipc(handle) == 0  # the fake leaves the out-pointer NULL
+    (pointer, passed, flags), = lib.cudaIpcOpenMemHandle.calls
+    assert bytes(passed) == handle
+    assert flags == 1  # cudaIpcMemLazyEnablePeerAccess
+    runtime.close_ipc(0x5000)
+    runtime.copy(0x1000, 0x2000, 8)
+    assert lib.cudaIpcCloseMemHandle.calls == [(0x5000,)]
+    assert lib.cudaMemcpy.calls == [(0x1000, 0x2000, 8, 4)]  # 4: cudaMemcpyDefault
+    assert lib.cudaIpcOpenMemHandle.argtypes[1] is cudart.IpcHandle
 
 
 def test_a_failed_call_raises_with_cudas_text_and_clears_the_error() -> None:
