@@ -155,8 +155,12 @@ def timed(case: Case, requests: int) -> list[float]:
     return times
 
 
-def paired(baseline: Case, shared: Case, rounds: int, requests: int, warmup: int = 20) -> dict[str, Any]:
-    """The two cases alternating (which goes first swapped every round), after a check that they answer alike."""
+def paired(baseline: Case, shared: Case, rounds: int, requests: int, warmup: int = 20, url: str | None = None
+           ) -> dict[str, Any]:
+    """The two cases alternating (which goes first swapped every round), after a check that they answer alike;
+    with ``url``, also the server's own mean per request (its /metrics: request, read to reply; queue; compute)."""
+    from bench.service import server_timing, timing_delta, timing_means_ms
+
     want = baseline.output(baseline.send()).astype(np.float64)
     got = shared.output(shared.send()).astype(np.float64)
     if want.shape != got.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-6):
@@ -164,9 +168,15 @@ def paired(baseline: Case, shared: Case, rounds: int, requests: int, warmup: int
     for case in (baseline, shared):
         timed(case, warmup)
     times: dict[str, list[float]] = {baseline.series: [], shared.series: []}
+    server: dict[str, dict[str, list[float]]] = {}
     for index in range(rounds):
         for case in ((baseline, shared) if index % 2 == 0 else (shared, baseline)):
+            before = server_timing(url) if url else None
             times[case.series] += timed(case, requests)
+            delta = timing_delta(before, server_timing(url)) if url else None
+            for part, (seconds, count) in (delta or {}).items():
+                total = server.setdefault(case.series, {}).setdefault(part, [0.0, 0.0])
+                total[0], total[1] = total[0] + seconds, total[1] + count
     base, mine = times[baseline.series], times[shared.series]
     return {
         "series": shared.series, "baseline": baseline.series, "requests": len(mine), "rounds": rounds,
@@ -176,6 +186,8 @@ def paired(baseline: Case, shared: Case, rounds: int, requests: int, warmup: int
         "p50_ratio": common.median(mine) / common.median(base),
         "saved_ms_per_request": float(np.mean(base) - np.mean(mine)),
         "max_abs_diff": float(np.max(np.abs(got - want))),
+        "server_ms": timing_means_ms(server.get(shared.series)),
+        "baseline_server_ms": timing_means_ms(server.get(baseline.series)),
     }
 
 
@@ -258,7 +270,7 @@ def paired_rows(url: str, grpc_target: str | None, input_meta: dict[str, Any], o
             cases.update({case.series: case for case in grpc_pair})
         for shared, baseline in (("shm", "binary"), ("grpc_shm", "grpc"), ("cuda_shm", "binary")):
             if shared in cases and baseline in cases:
-                row = paired(cases[baseline], cases[shared], rounds, requests)
+                row = paired(cases[baseline], cases[shared], rounds, requests, url=url)
                 rows.append(row)
                 print(f"  {shared:9s} p50 {row['p50_ms']:.3f} ms against {baseline} {row['baseline_p50_ms']:.3f} ms: "
                       f"x{row['p50_ratio']:.2f}, {row['saved_ms_per_request']:+.3f} ms saved per request", flush=True)
@@ -320,9 +332,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in (TRANSPORT_MODEL, DEMO_MODEL):
             print(f"{model}:", flush=True)
             meta = httpx.get(f"{srv.url}/v2/models/{model}", timeout=10).json()
+            described = httpx.get(f"{srv.url}/v1/models/{model}", timeout=10).json()["versions"][0]
+            engine = {"provider": described.get("provider"), "choice": described.get("engine")}
+            print(f"  served by {engine}", flush=True)
             found, skipped = paired_rows(srv.url, srv.grpc_target, meta["inputs"][0], meta["outputs"][0],
                                          cuda=device == "cuda", rounds=args.rounds, requests=args.requests, model=model)
-            rows += [{"model": model, **row} for row in found]
+            rows += [{"model": model, "engine": engine, **row} for row in found]
+        told = [line for line in srv.log_tail(400).splitlines() if "shared memory" in line]
+        print("server log on shared memory:", *told or ["(nothing)"], sep="\n  ", flush=True)
     common.print_table(rows, ["model", "series", "baseline", "p50_ms", "baseline_p50_ms", "p50_ratio", "mean_ms",
                               "baseline_mean_ms", "saved_ms_per_request", "max_abs_diff"],
                        title="a lone request: shared memory against the body")

@@ -94,6 +94,7 @@ class OrtEngine(BucketWarming):
         self._guard = threading.Lock()
         self._closed = False
         self._last_s: float | None = None
+        self._told_host_rows = False
         self.load_s = 0.0
         self.session_s = 0.0  # building the session(s): a refused graph session and its fallback together
         self.warm_s: dict[int, float] = {}  # each bucket's warm-up (numpy path: the first bucket's one run)
@@ -142,7 +143,7 @@ class OrtEngine(BucketWarming):
         sizes = [self._signature_rows(part) for part in parts]
         total = sum(sizes)
         if self._copier is None or total > self._largest_call():  # only the row copier reads device rows
-            parts = [on_host(part) for part in parts]
+            parts = self._on_host(parts, total)
         with self._one_caller():
             started = time.perf_counter()
             whole = not self.signature.outputs_batched
@@ -155,6 +156,17 @@ class OrtEngine(BucketWarming):
                 outputs = self._run_fitting(parts, sizes, total)
             self._last_s = time.perf_counter() - started
             return outputs
+
+    def _on_host(self, parts: Sequence[Mapping[str, np.ndarray]], total: int) -> list[Mapping[str, np.ndarray]]:
+        """The parts with rows from a client's CUDA region copied to the host (logged once per engine: that
+        request pays a device-to-host copy the row copier would have saved)."""
+        hosted = [on_host(part) for part in parts]
+        if not self._told_host_rows and any(a is not b for a, b in zip(hosted, parts, strict=True)):
+            self._told_host_rows = True
+            reason = f"inputs reach the device by {self.host_to_device}" if self._copier is None else \
+                f"a batch of {total} is over the largest warm bucket ({self._largest_call()})"
+            logger.info("engine %s: rows from CUDA shared memory go through the host (%s)", self.variant, reason)
+        return hosted
 
     def last_engine_seconds(self) -> float | None:
         """The last ``run_parts``'s own time (this engine runs on its caller's thread)."""
