@@ -347,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"not run: {reason}")
     payload = {"benchmark": "shared_memory", "device_kind": device, "models": [TRANSPORT_MODEL, DEMO_MODEL],
                "rounds": args.rounds, "requests_per_round": args.requests, "rows": rows, "not_run": skipped}
-    path = common.write_result(f"shared-memory-{device}", payload, head=head, path=args.out)
+    out = args.out or common.RESULTS_DIR / f"shared-memory-{head['date']}-{device}.json"
+    path = common.write_result("shared-memory", payload, head=head, path=out)
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return 0
 
