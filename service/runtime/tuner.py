@@ -48,11 +48,13 @@ from service.runtime.tuner_faults import known_faults as known_faults_of
 
 logger = logging.getLogger(__name__)
 
-CHECK_REL_L2 = {"fp16": REL_L2_TOLERANCE, "fp32": 1e-2, "fused_ops": 1e-2}
-"""Largest relative L2 error against the CPU provider before a configuration is timed: fp16 as
-``runtime.precision`` documents; float32, the fused operators' graph too, with TF32 convolutions (MobileNetV3
-lands near 5e-3 on the H200; a broken configuration near 1 or far above: ORT's conv-bias fusion in NCHW beside
-the fused operators gave 7e11 there, bench/results/engine-2026-12-02-h200-fused-ops.json)."""
+CHECK_REL_L2 = {"fp16": REL_L2_TOLERANCE, "fp32": REL_L2_TOLERANCE, "fused_ops": REL_L2_TOLERANCE}
+"""Largest relative L2 error against the CPU provider before a configuration is timed (with the top-1 rule of
+``runtime.precision``). The float32 checks are there to catch broken configurations, which land near 1 or far
+above (ORT's conv-bias fusion in NCHW gave 7e11 and 3e12 on the H200), not the drift of TF32 convolutions:
+5e-3 for a MobileNetV3 export on normal inputs, but 2.9e-2 for every configuration of the demo image model on
+its warm-up pixels, which a bound of 1e-2 refused one and all, so its tuner timed nothing
+(bench/results/shared-memory-2026-12-02-h200-tuner-check.json, ``engine.choice``)."""
 PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16"), "bf16": ("fp32",)}
 """Precision asked -> precisions timed on CUDA (bf16 is OpenVINO's, on the CPU: cpu_tuner)."""
 _B1_RUNS, _B1_MAX_S = 200, 0.4

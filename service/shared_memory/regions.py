@@ -37,8 +37,8 @@ _KEY = re.compile(r"/?[A-Za-z0-9_.+-]{1,200}")
 def check_key(key: object) -> str:
     """A system region's key as ``shm_open`` takes it: an optional leading "/" and a plain file name."""
     if not isinstance(key, str) or not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
-        raise BadRequestError(f"shared memory key {printable(key)!r} is not a shm_open name: '/' and up to 200 "
-                              "letters, digits, '_', '.', '+' or '-'")
+        raise BadRequestError(f"shared memory key {printable(key)!r} is not a shm_open name: an optional leading "
+                              "slash, then 1 to 200 letters, digits, '_', '.', '+' or '-'")
     return key
 
 
@@ -49,7 +49,7 @@ def open_shm_file(key: str, folder: Path = SHM_FOLDER) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
-        raise BadRequestError(f"unable to open shared memory region {key!r}: no such object in {folder}") from None
+        raise BadRequestError(f"unable to open shared memory region {key!r}: no such object") from None
     except OSError as exc:
         raise BadRequestError(f"unable to open shared memory region {key!r}: {exc.strerror}") from None
     info = os.fstat(fd)
