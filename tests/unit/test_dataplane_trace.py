@@ -10,11 +10,12 @@ from service.metrics import Metrics
 from service.registry.statistics import VersionStatistics
 from service.registry.version import InferenceResult
 from service.runtime.contract import InferenceRequest
+from service.shared_memory.table import SharedMemory
 
 
 def _dataplane() -> DataPlane:
     manager = types.SimpleNamespace(settings=None, table=None)
-    return DataPlane(manager, Metrics())  # type: ignore[arg-type]
+    return DataPlane(manager, Metrics(), shared_memory=SharedMemory(0))  # type: ignore[arg-type]
 
 
 def _version() -> types.SimpleNamespace:
