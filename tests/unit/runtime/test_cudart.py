@@ -78,7 +78,7 @@ def test_ipc_calls_pass_the_handle_by_value_and_copies_take_any_direction() -> N
     runtime = cudart.CudaRuntime(lib, "fake")  # type: ignore[arg-type]
     handle = bytes(range(64))
     assert runtime.open_ipc(handle) == 0  # the fake leaves the out-pointer NULL
-    (pointer, passed, flags), = lib.cudaIpcOpenMemHandle.calls
+    (_pointer, passed, flags), = lib.cudaIpcOpenMemHandle.calls
     assert bytes(passed) == handle
     assert flags == 1  # cudaIpcMemLazyEnablePeerAccess
     runtime.close_ipc(0x5000)
