@@ -36,25 +36,39 @@ async def _body(request: Request, model: type, what: str) -> Any:
     return validate(model, loads(await read_body(request, MAX_BODY, what), what), what)
 
 
-def _status(request: Request, kind: str, name: str = "") -> Response:
-    return json_response(dataplane_of(request).shared_memory.status(kind, name))
-
-
-async def _unregister(request: Request, kind: str, name: str = "") -> Response:
-    regions = dataplane_of(request).shared_memory
-    await asyncio.to_thread(regions.unregister, kind, name)  # closing a CUDA region is a CUDA call
+def _done() -> Response:
+    """Triton answers register and unregister with an empty 200."""
     return Response(b"", media_type="application/json")
 
 
-# ------------------------------------------------------------------ system
-@router.get("/v2/systemsharedmemory/status", summary="Every registered system shared-memory region")
-async def system_status(request: Request) -> Response:
-    return _status(request, "system")
+def _add_status_and_unregister(kind: str, prefix: str, label: str) -> None:
+    """The four routes both kinds share: status (every region, one region) and unregister (every, one)."""
+
+    async def status(request: Request, name: str = "") -> Response:
+        return json_response(dataplane_of(request).shared_memory.status(kind, name))
+
+    async def unregister(request: Request, name: str = "") -> Response:
+        regions = dataplane_of(request).shared_memory
+        await asyncio.to_thread(regions.unregister, kind, name)  # closing a CUDA region is a CUDA call
+        return _done()
+
+    async def status_of_all(request: Request) -> Response:
+        return await status(request)
+
+    async def unregister_all(request: Request) -> Response:
+        return await unregister(request)
+
+    for path, endpoint, method, summary in (
+        (f"{prefix}/status", status_of_all, "GET", f"Every registered {label} shared-memory region"),
+        (f"{prefix}/region/{{name}}/status", status, "GET", f"One {label} region"),
+        (f"{prefix}/unregister", unregister_all, "POST", f"Unregister every {label} region"),
+        (f"{prefix}/region/{{name}}/unregister", unregister, "POST", f"Unregister a {label} region"),
+    ):
+        router.add_api_route(path, endpoint, methods=[method], summary=summary, responses=_ERRORS)
 
 
-@router.get("/v2/systemsharedmemory/region/{name}/status", summary="One system region", responses=_ERRORS)
-async def system_region_status(request: Request, name: str) -> Response:
-    return _status(request, "system", name)
+_add_status_and_unregister("system", "/v2/systemsharedmemory", "system")
+_add_status_and_unregister("cuda", "/v2/cudasharedmemory", "CUDA")
 
 
 @router.post("/v2/systemsharedmemory/region/{name}/register", summary="Register a system shared-memory region",
@@ -62,29 +76,7 @@ async def system_region_status(request: Request, name: str) -> Response:
 async def system_register(request: Request, name: str) -> Response:
     body = await _body(request, SystemRegionRequest, "system shared memory register request")
     dataplane_of(request).shared_memory.register_system(name, body.key, body.offset, body.byte_size)
-    return Response(b"", media_type="application/json")
-
-
-@router.post("/v2/systemsharedmemory/unregister", summary="Unregister every system region", responses=_ERRORS)
-async def system_unregister_all(request: Request) -> Response:
-    return await _unregister(request, "system")
-
-
-@router.post("/v2/systemsharedmemory/region/{name}/unregister", summary="Unregister a system region",
-             responses=_ERRORS)
-async def system_unregister(request: Request, name: str) -> Response:
-    return await _unregister(request, "system", name)
-
-
-# ------------------------------------------------------------------ CUDA
-@router.get("/v2/cudasharedmemory/status", summary="Every registered CUDA shared-memory region")
-async def cuda_status(request: Request) -> Response:
-    return _status(request, "cuda")
-
-
-@router.get("/v2/cudasharedmemory/region/{name}/status", summary="One CUDA region", responses=_ERRORS)
-async def cuda_region_status(request: Request, name: str) -> Response:
-    return _status(request, "cuda", name)
+    return _done()
 
 
 @router.post("/v2/cudasharedmemory/region/{name}/register", summary="Register a CUDA shared-memory region",
@@ -93,14 +85,4 @@ async def cuda_register(request: Request, name: str) -> Response:
     body = await _body(request, CudaRegionRequest, "CUDA shared memory register request")
     regions = dataplane_of(request).shared_memory
     await asyncio.to_thread(regions.register_cuda, name, body.raw_handle.b64, body.device_id, body.byte_size)
-    return Response(b"", media_type="application/json")
-
-
-@router.post("/v2/cudasharedmemory/unregister", summary="Unregister every CUDA region", responses=_ERRORS)
-async def cuda_unregister_all(request: Request) -> Response:
-    return await _unregister(request, "cuda")
-
-
-@router.post("/v2/cudasharedmemory/region/{name}/unregister", summary="Unregister a CUDA region", responses=_ERRORS)
-async def cuda_unregister(request: Request, name: str) -> Response:
-    return await _unregister(request, "cuda", name)
+    return _done()

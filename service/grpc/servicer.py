@@ -60,6 +60,26 @@ def _unsupported(extension: str) -> Handler:
     return rpc
 
 
+def _region_status(kind: str, response: Any) -> Handler:
+    """Triton's ``{System,Cuda}SharedMemoryStatus``: the dataplane's regions of ``kind`` as its map."""
+
+    async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = self.dataplane.shared_memory.status(kind, request.name)
+        return response(regions={r["name"]: response.RegionStatus(**r) for r in regions})
+
+    return _answers(rpc)
+
+
+def _region_unregister(kind: str, response: Any) -> Handler:
+    """Triton's ``{System,Cuda}SharedMemoryUnregister`` (closing a CUDA region is a CUDA call: off the loop)."""
+
+    async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await asyncio.to_thread(self.dataplane.shared_memory.unregister, kind, request.name)
+        return response()
+
+    return _answers(rpc)
+
+
 def _version(text: str) -> str | None:
     return text or None
 
@@ -176,11 +196,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # ------------------------------------------------------------------ shared memory (service.shared_memory)
-    @_answers
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        regions = self.dataplane.shared_memory.status("system", request.name)
-        return pb.SystemSharedMemoryStatusResponse(
-            regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
+    SystemSharedMemoryStatus = _region_status("system", pb.SystemSharedMemoryStatusResponse)
+    SystemSharedMemoryUnregister = _region_unregister("system", pb.SystemSharedMemoryUnregisterResponse)
+    CudaSharedMemoryStatus = _region_status("cuda", pb.CudaSharedMemoryStatusResponse)
+    CudaSharedMemoryUnregister = _region_unregister("cuda", pb.CudaSharedMemoryUnregisterResponse)
 
     @_answers
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -188,26 +207,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_answers
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await asyncio.to_thread(self.dataplane.shared_memory.unregister, "system", request.name)
-        return pb.SystemSharedMemoryUnregisterResponse()
-
-    @_answers
-    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        regions = self.dataplane.shared_memory.status("cuda", request.name)
-        return pb.CudaSharedMemoryStatusResponse(
-            regions={r["name"]: pb.CudaSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
-
-    @_answers
     async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await asyncio.to_thread(self.dataplane.shared_memory.register_cuda, request.name, request.raw_handle,
                                 request.device_id, request.byte_size)  # opening the handle is a CUDA call
         return pb.CudaSharedMemoryRegisterResponse()
-
-    @_answers
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await asyncio.to_thread(self.dataplane.shared_memory.unregister, "cuda", request.name)
-        return pb.CudaSharedMemoryUnregisterResponse()
 
     TraceSetting = _unsupported("trace")
     LogSettings = _unsupported("logging")

@@ -4,7 +4,9 @@
 filled: only an engine that copies rows to the device itself reads ``device_address`` (a device-to-device
 copy into its bucket, ``runtime.buckets.RowCopier``); every other consumer must take ``on_host(part)`` first,
 which copies the rows to the host once. An array derived from one (a slice, a view) is a plain host array of
-unfilled memory, so nothing may slice rows before ``on_host``: engines call it at their entry.
+unfilled memory, so nothing may slice rows before ``on_host``: ``OrtEngine`` calls it at its entry. They never
+reach the engine process: CUDA regions are opened only where the engines run in the server's own process
+(``shared_memory.table``: a worker refuses to register one).
 """
 
 from __future__ import annotations

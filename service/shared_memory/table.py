@@ -72,7 +72,7 @@ class SharedMemory:
     def register_system(self, name: str, key: object, offset: object, byte_size: object) -> None:
         record = RegionRecord(_name(name), "system", _size(byte_size, "byte_size", 1), key=check_key(key),
                               offset=_size(offset, "offset", 0))
-        self._register(record, lambda: SystemRegion(record, self._shm_folder))
+        self._register(record)
 
     def register_cuda(self, name: str, raw_handle: object, device_id: object, byte_size: object) -> None:
         """Opens the handle (CUDA calls: run it off the event loop)."""
@@ -81,10 +81,8 @@ class SharedMemory:
         record = RegionRecord(_name(name), "cuda", _size(byte_size, "byte_size", 1),
                               device_id=_size(device_id, "device_id", 0),
                               raw_handle=base64.b64encode(handle).decode())
-        runtime = self._cuda() if self._cuda is not None else None
-        if runtime is None:
-            raise NotSupportedError(f"CUDA shared memory is not available: {self._cuda_refusal}")
-        self._register(record, lambda: CudaRegion(record, runtime))
+        self._cuda_runtime()  # before the limits: a server that cannot open one says so first
+        self._register(record)
 
     def unregister(self, kind: str, name: str = "") -> None:
         self._check_enabled(kind)
@@ -145,7 +143,7 @@ class SharedMemory:
             self.records.remove_folder()
 
     # ------------------------------------------------------------------ inside
-    def _register(self, record: RegionRecord, opener: Callable[[], Region]) -> None:
+    def _register(self, record: RegionRecord) -> None:
         self._check_enabled(record.kind)
         with self._registering():
             records = self.records.all()
@@ -158,7 +156,7 @@ class SharedMemory:
             if held + record.byte_size > self.max_bytes:
                 raise ConflictError(f"registering {record.byte_size} bytes would hold {held + record.byte_size}, "
                                     f"over this server's {self.max_bytes >> 20} MiB (SERVICE_SHARED_MEMORY_MB)")
-            region = opener()
+            region = self._opened(record)
             if not self.records.add(record):
                 region.close()
                 raise ConflictError(f"shared memory region {record.name!r} is already registered")
@@ -176,18 +174,24 @@ class SharedMemory:
         if found is None:
             raise BadRequestError(f"unable to find shared memory region: {printable(name)!r}")
         record, stamp = found
-        if record.kind == "cuda":
-            runtime = self._cuda() if self._cuda is not None else None
-            if runtime is None:
-                raise NotSupportedError(f"CUDA shared memory is not available: {self._cuda_refusal}")
-            region: Region = CudaRegion(record, runtime)
-        else:
-            region = SystemRegion(record, self._shm_folder)
+        region = self._opened(record)
         entry = _Open(region, stamp, users=1)
         with self._lock:
             self._retire(name)
             self._open[name] = entry
         return region
+
+    def _opened(self, record: RegionRecord) -> Region:
+        """The region of ``record`` opened in this process (CUDA calls for a CUDA one)."""
+        if record.kind == "cuda":
+            return CudaRegion(record, self._cuda_runtime())
+        return SystemRegion(record, self._shm_folder)
+
+    def _cuda_runtime(self) -> CudaRuntime:
+        runtime = self._cuda() if self._cuda is not None else None
+        if runtime is None:
+            raise NotSupportedError(f"CUDA shared memory is not available: {self._cuda_refusal}")
+        return runtime
 
     def _retire(self, name: str) -> None:
         """(lock held) ``name``'s open region leaves the table; it closes now if unused, else with its last lease."""

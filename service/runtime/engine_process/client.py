@@ -25,7 +25,6 @@ import numpy as np
 from service.errors import EngineError
 from service.runtime.batching import shape_key
 from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker, Signature
-from service.runtime.device_rows import on_host
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, Layout, layout_of
@@ -121,7 +120,6 @@ class RemoteEngine:
 
     def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The parts as one batch in the engine process; outputs are views valid until the next call."""
-        parts = [on_host(part) for part in parts]  # rows in a client's CUDA region: this side reads them
         layout, nbytes, rows = _layout(self.signature, parts)
         if not self._guard.acquire(blocking=False):
             raise EngineError("engine is busy: one thread at a time may call run_parts()")
