@@ -22,6 +22,7 @@ import psutil
 import pytest
 from builders import reference, tiny_cnn
 from live_server import AUTH, running
+from shm_kit import region_file
 
 pytestmark = pytest.mark.e2e
 
@@ -109,6 +110,21 @@ def wait_status(conn: http.client.HTTPConnection, path: str, status: int, timeou
     pytest.fail(f"GET {path} gave {got}, not {status}, for {timeout:.0f} s")
 
 
+def upload_then_reconnect(port: int, pids: set[int], conns: dict[int, http.client.HTTPConnection],
+                          model: bytes) -> dict[int, http.client.HTTPConnection]:
+    """Upload ``model`` as "tiny" through the first worker's connection; then a fresh connection per worker (an
+    upload on a loaded machine may outlast the others' keep-alive, 5 s), once each worker serves it."""
+    first = conns[min(conns)]
+    status, body = call(first, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
+    assert status == 201, body
+    for conn in conns.values():
+        conn.close()
+    conns = one_connection_per_worker(port, pids)
+    for conn in conns.values():
+        wait_status(conn, "/v2/models/tiny/ready", 200)
+    return conns
+
+
 def metric_total(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -127,17 +143,8 @@ def test_two_workers_share_the_port_and_the_store(tmp_path: Path) -> None:
         pids = worker_pids(server.pid)
         assert len(pids) == 2
         assert (engine_pid(server.pid) is not None) == engine_process
-        conns = one_connection_per_worker(server.port, pids)
+        conns = upload_then_reconnect(server.port, pids, one_connection_per_worker(server.port, pids), model)
         (pid_a, a), (pid_b, b) = sorted(conns.items())
-
-        status, body = call(a, "POST", "/v1/models/tiny", model, {**AUTH, "content-type": "application/octet-stream"})
-        assert status == 201, body
-        # an upload on a loaded machine may outlast b's keep-alive (5 s): a fresh connection per worker
-        for conn in conns.values():
-            conn.close()
-        conns = one_connection_per_worker(server.port, pids)
-        (_, a), (_, b) = sorted(conns.items())
-        wait_status(b, "/v2/models/tiny/ready", 200)
         for conn in (a, b):
             described = json.loads(call(conn, "GET", "/v1/models/tiny")[1])["versions"][0]
             assert described["provider"].startswith("engine process") == engine_process, described["provider"]
@@ -285,24 +292,14 @@ def test_a_region_registered_on_one_worker_serves_requests_on_every_worker(tmp_p
     x = np.random.default_rng(4).normal(size=(2, 3, 8, 8)).astype(np.float32)
     want = reference(model, {"input": x})["logits"]
     key = f"/onnxcnn-workers-{os.getpid()}"
-    region = Path("/dev/shm") / key[1:]
-    fd = os.open(region, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    region = region_file(Path("/dev/shm"), key, 4096 + x.nbytes, bytes(4096) + x.tobytes())
+    fd = os.open(region, os.O_RDWR)
     try:
-        os.ftruncate(fd, 4096 + x.nbytes)
-        os.pwrite(fd, x.tobytes(), 4096)
         env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
         with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
             pids = worker_pids(server.pid)
-            conns = one_connection_per_worker(server.port, pids)
+            conns = upload_then_reconnect(server.port, pids, one_connection_per_worker(server.port, pids), model)
             (_, a), (_, b) = sorted(conns.items())
-            headers = {**AUTH, "content-type": "application/octet-stream"}
-            status, body = call(a, "POST", "/v1/models/tiny", model, headers)
-            assert status == 201, body
-            for conn in conns.values():
-                conn.close()
-            conns = one_connection_per_worker(server.port, pids)
-            (_, a), (_, b) = sorted(conns.items())
-            wait_status(b, "/v2/models/tiny/ready", 200)
             json_headers = {"content-type": "application/json"}
             register = json.dumps({"key": key, "offset": 0, "byte_size": 4096 + x.nbytes}).encode()
             assert call(a, "POST", "/v2/systemsharedmemory/region/r/register", register, json_headers)[0] == 200

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import io
 import json
-import os
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ import pytest
 from api_kit import AUTH, OCTET, make_settings, serve_app, tiny_cnn, upload
 from faults import StoreFaults
 from onnx import TensorProto, helper
+from shm_kit import region_file
 
 from service.errors import QueueFullError, RequestTimeoutError
 
@@ -136,13 +136,9 @@ async def missing_extension(env: Env) -> set[int]:
 
 
 def _shm_file(size: int) -> tuple[str, Path]:
-    """A region file of the test's user in /dev/shm (mode 0600, as shm_open makes it)."""
+    """A region file of the test's user in /dev/shm, and its key."""
     key = f"/doc-statuses-{uuid.uuid4().hex[:10]}"
-    path = Path("/dev/shm") / key[1:]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, size)
-    os.close(fd)
-    return key, path
+    return key, region_file(Path("/dev/shm"), key, size)
 
 
 async def shared_memory_bounds(env: Env) -> set[int]:

@@ -9,21 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shm_kit import region_file
 
 from service.errors import BadRequestError
 from service.shared_memory.records import RegionRecord
 from service.shared_memory.regions import SystemRegion, check_key, ipc_handle, open_shm_file
-
-
-def _region_file(folder: Path, key: str, size: int, data: bytes = b"") -> Path:
-    path = folder / key.lstrip("/")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-    return path
 
 
 def _record(key: str, byte_size: int, offset: int = 0, name: str = "region") -> RegionRecord:
@@ -49,7 +39,7 @@ def test_check_key_refuses_what_is_no_string(key: object) -> None:
 
 
 def test_open_shm_file_opens_a_private_regular_file_read_write(tmp_path: Path) -> None:
-    _region_file(tmp_path, "ok", 8, b"abcdefgh")
+    region_file(tmp_path, "ok", 8, b"abcdefgh")
     fd = open_shm_file("/ok", tmp_path)
     try:
         assert os.pread(fd, 8, 0) == b"abcdefgh"
@@ -65,7 +55,7 @@ def test_open_shm_file_refuses_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_open_shm_file_refuses_a_symlink_even_to_an_acceptable_file(tmp_path: Path) -> None:
-    _region_file(tmp_path, "target", 8)
+    region_file(tmp_path, "target", 8)
     (tmp_path / "link").symlink_to(tmp_path / "target")
     with pytest.raises(BadRequestError, match=r"unable to open shared memory region 'link': .*symbolic links"):
         open_shm_file("link", tmp_path)
@@ -85,7 +75,7 @@ def test_open_shm_file_refuses_a_fifo_as_no_regular_file(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
 def test_open_shm_file_refuses_a_file_others_may_write(tmp_path: Path, mode: int) -> None:
-    path = _region_file(tmp_path, "open", 8)
+    path = region_file(tmp_path, "open", 8)
     path.chmod(mode)
     with pytest.raises(BadRequestError, match=r"'open' is refused: writable by other users .*mode 0600"):
         open_shm_file("open", tmp_path)
@@ -93,7 +83,7 @@ def test_open_shm_file_refuses_a_file_others_may_write(tmp_path: Path, mode: int
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
 def test_open_shm_file_refuses_a_file_of_another_user(tmp_path: Path) -> None:
-    path = _region_file(tmp_path, "theirs", 8)
+    path = region_file(tmp_path, "theirs", 8)
     os.chown(path, 65534, 65534)
     with pytest.raises(BadRequestError, match=r"'theirs' is refused: owned by another user"):
         open_shm_file("theirs", tmp_path)
@@ -105,7 +95,7 @@ def test_open_shm_file_checks_the_key_first(tmp_path: Path) -> None:
 
 
 def test_a_region_past_the_end_of_its_file_is_refused_at_open(tmp_path: Path) -> None:
-    _region_file(tmp_path, "small", 64)
+    region_file(tmp_path, "small", 64)
     with pytest.raises(BadRequestError, match=r"offset 32 \+ byte_size 40 is past the end of 'small' \(64 bytes\)"):
         SystemRegion(_record("small", 40, offset=32), tmp_path)
     region = SystemRegion(_record("small", 32, offset=32), tmp_path)  # exactly to the end
@@ -115,7 +105,7 @@ def test_a_region_past_the_end_of_its_file_is_refused_at_open(tmp_path: Path) ->
 
 def test_read_is_a_read_only_view_at_the_record_offset_plus_the_tensor_offset(tmp_path: Path) -> None:
     values = np.arange(16, dtype=np.float32)
-    _region_file(tmp_path, "data", 64, values.tobytes())
+    region_file(tmp_path, "data", 64, values.tobytes())
     region = SystemRegion(_record("data", 48, offset=16), tmp_path)  # floats 4..15
     view = region.read(8, np.dtype(np.float32), (2, 3))  # floats 6..11
     assert view.shape == (2, 3) and view.dtype == np.float32
@@ -129,7 +119,7 @@ def test_read_is_a_read_only_view_at_the_record_offset_plus_the_tensor_offset(tm
 
 
 def test_read_sees_what_the_client_writes_later(tmp_path: Path) -> None:
-    path = _region_file(tmp_path, "live", 16)
+    path = region_file(tmp_path, "live", 16)
     region = SystemRegion(_record("live", 16), tmp_path)
     with path.open("r+b") as file:
         file.seek(4)
@@ -139,7 +129,7 @@ def test_read_sees_what_the_client_writes_later(tmp_path: Path) -> None:
 
 
 def test_write_lands_in_the_file_at_the_record_offset_plus_the_tensor_offset(tmp_path: Path) -> None:
-    path = _region_file(tmp_path, "out", 32)
+    path = region_file(tmp_path, "out", 32)
     region = SystemRegion(_record("out", 16, offset=8), tmp_path)
     region.write(4, np.array([[1, 2], [3, 4]], dtype=np.int16).T)  # not contiguous: written in C order
     region.close()
@@ -150,7 +140,7 @@ def test_write_lands_in_the_file_at_the_record_offset_plus_the_tensor_offset(tmp
 
 
 def test_a_file_truncated_after_opening_is_refused_at_read_and_write(tmp_path: Path) -> None:
-    path = _region_file(tmp_path, "shrinks", 8192)
+    path = region_file(tmp_path, "shrinks", 8192)
     region = SystemRegion(_record("shrinks", 4096, offset=4096), tmp_path)
     np.testing.assert_array_equal(region.read(0, np.dtype(np.uint8), (4,)), [0, 0, 0, 0])
     os.truncate(path, 4096)  # reading the mapping now would be SIGBUS: the size check must come first
@@ -163,7 +153,7 @@ def test_a_file_truncated_after_opening_is_refused_at_read_and_write(tmp_path: P
 
 
 def test_close_unmaps_and_closes_the_file(tmp_path: Path) -> None:
-    _region_file(tmp_path, "c", 16)
+    region_file(tmp_path, "c", 16)
     region = SystemRegion(_record("c", 16), tmp_path)
     fd = region._fd
     region.close()
@@ -173,7 +163,7 @@ def test_close_unmaps_and_closes_the_file(tmp_path: Path) -> None:
 
 
 def test_close_while_a_view_is_alive_leaves_the_view_readable(tmp_path: Path) -> None:
-    _region_file(tmp_path, "v", 16, bytes(range(16)))
+    region_file(tmp_path, "v", 16, bytes(range(16)))
     region = SystemRegion(_record("v", 16), tmp_path)
     view = region.read(0, np.dtype(np.uint8), (16,))
     region.close()  # the mapping goes with its last view

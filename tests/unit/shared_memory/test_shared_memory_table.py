@@ -3,25 +3,16 @@ an unregistered region open until the requests using it are answered (several wo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from shm_kit import region_file
 
 from service.errors import BadRequestError, ConflictError, NotFoundError, NotSupportedError
 from service.shared_memory import table
 from service.shared_memory.table import SharedMemory
-
-
-def _region_file(folder: Path, key: str, size: int, data: bytes = b"") -> None:
-    fd = os.open(folder / key.lstrip("/"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
 
 
 class _FakeCuda:
@@ -52,8 +43,8 @@ def _memory(tmp_path: Path, shm: Path, max_mb: int = 1, **kwargs: Any) -> Shared
 
 
 def test_register_then_status_shows_the_region_as_triton_does(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 64)
-    _region_file(shm, "b", 64)
+    region_file(shm, "a", 64)
+    region_file(shm, "b", 64)
     memory = _memory(tmp_path, shm)
     memory.register_system("in", "/a", 16, 48)
     memory.register_system("out", "b", 0, 64)
@@ -71,7 +62,7 @@ def test_status_of_an_unknown_name_is_not_found(tmp_path: Path, shm: Path) -> No
 
 
 def test_status_of_a_region_of_the_other_kind_is_not_found_naming_its_kind(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm, cuda=_FakeCuda)
     memory.register_system("host", "a", 0, 8)
     memory.register_cuda("gpu", bytes(64), 0, 256)
@@ -83,7 +74,7 @@ def test_status_of_a_region_of_the_other_kind_is_not_found_naming_its_kind(tmp_p
 
 
 def test_a_name_is_registered_once_until_unregistered(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm, cuda=_FakeCuda)
     memory.register_system("r", "a", 0, 8)
     with pytest.raises(ConflictError, match="shared memory region 'r' is already registered"):
@@ -98,7 +89,7 @@ def test_a_name_is_registered_once_until_unregistered(tmp_path: Path, shm: Path)
 
 def test_unregister_of_an_unknown_name_succeeds_and_an_empty_name_unregisters_that_kind(tmp_path: Path,
                                                                                         shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm, cuda=_FakeCuda)
     memory.unregister("system", "never registered")
     for name in ("s1", "s2"):
@@ -112,7 +103,7 @@ def test_unregister_of_an_unknown_name_succeeds_and_an_empty_name_unregisters_th
 
 
 def test_register_refuses_a_file_that_cannot_hold_the_region(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm)
     with pytest.raises(BadRequestError, match="past the end of 'a'"):
         memory.register_system("r", "a", 4, 8)
@@ -131,7 +122,7 @@ def test_register_refuses_sizes_that_are_no_proper_integers(tmp_path: Path, shm:
 
 def test_the_number_of_regions_is_limited(tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(table, "MAX_REGIONS", 2)
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm)
     memory.register_system("r1", "a", 0, 8)
     memory.register_system("r2", "a", 0, 8)
@@ -142,7 +133,7 @@ def test_the_number_of_regions_is_limited(tmp_path: Path, shm: Path, monkeypatch
 
 
 def test_the_registered_bytes_are_limited_by_max_mb(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "big", 1 << 20)
+    region_file(shm, "big", 1 << 20)
     memory = _memory(tmp_path, shm, max_mb=1)
     memory.register_system("half", "big", 0, 1 << 19)
     memory.register_system("rest", "big", 0, 1 << 19)
@@ -154,7 +145,7 @@ def test_the_registered_bytes_are_limited_by_max_mb(tmp_path: Path, shm: Path) -
 
 
 def test_max_mb_0_turns_every_call_off(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = _memory(tmp_path, shm, max_mb=0, cuda=_FakeCuda)
     assert not memory.enabled
     calls = [lambda: memory.register_system("r", "a", 0, 8), lambda: memory.register_cuda("g", bytes(64), 0, 8),
@@ -176,7 +167,7 @@ def test_cuda_register_without_cuda_is_not_supported_with_the_reason(tmp_path: P
 
 
 def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "a", 16, np.arange(4, dtype=np.int32).tobytes())
+    region_file(shm, "a", 16, np.arange(4, dtype=np.int32).tobytes())
     memory = _memory(tmp_path, shm)
     memory.register_system("r", "a", 0, 16)
     region = memory.lease("r")
@@ -195,7 +186,7 @@ def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: 
 
 
 def test_close_closes_every_region_and_removes_a_private_folder(shm: Path) -> None:
-    _region_file(shm, "a", 8)
+    region_file(shm, "a", 8)
     memory = SharedMemory(1, shm_folder=shm)
     memory.register_system("r", "a", 0, 8)
     region = memory.lease("r")
@@ -206,8 +197,8 @@ def test_close_closes_every_region_and_removes_a_private_folder(shm: Path) -> No
 
 
 def test_two_workers_sharing_the_records_see_each_others_changes(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "one", 8, b"11111111")
-    _region_file(shm, "two", 8, b"22222222")
+    region_file(shm, "one", 8, b"11111111")
+    region_file(shm, "two", 8, b"22222222")
     first, second = _memory(tmp_path, shm), _memory(tmp_path, shm)
     first.register_system("r", "one", 0, 8)
     assert second.status("system", "r")[0]["key"] == "one"
@@ -228,8 +219,8 @@ def test_two_workers_sharing_the_records_see_each_others_changes(tmp_path: Path,
 
 
 def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: Path, shm: Path) -> None:
-    _region_file(shm, "one", 8, b"11111111")
-    _region_file(shm, "two", 8, b"22222222")
+    region_file(shm, "one", 8, b"11111111")
+    region_file(shm, "two", 8, b"22222222")
     first, second = _memory(tmp_path, shm), _memory(tmp_path, shm)
     first.register_system("r", "one", 0, 8)
     old = second.lease("r")

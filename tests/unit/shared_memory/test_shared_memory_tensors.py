@@ -4,11 +4,11 @@ before a byte is touched, and the regions leased until the request is answered."
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from shm_kit import region_file
 
 from service.errors import BadRequestError, InvalidInputError
 from service.shared_memory.table import SharedMemory
@@ -18,24 +18,14 @@ F32 = np.dtype(np.float32)
 WHERE = "inputs[0].parameters"
 
 
-def _region_file(folder: Path, key: str, size: int, data: bytes = b"") -> Path:
-    path = folder / key
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-    return path
-
 
 @pytest.fixture
 def memory(tmp_path: Path) -> SharedMemory:
     """Regions 'in' (floats 2..9 of a file of floats 0..15) and 'out' (32 bytes from offset 8 of a zero file)."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    _region_file(shm, "in", 64, np.arange(16, dtype=np.float32).tobytes())
-    _region_file(shm, "out", 64)
+    region_file(shm, "in", 64, np.arange(16, dtype=np.float32).tobytes())
+    region_file(shm, "out", 64)
     table = SharedMemory(1, tmp_path / "records", shm_folder=shm)
     table.register_system("in", "/in", 8, 32)
     table.register_system("out", "/out", 8, 32)
