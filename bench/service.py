@@ -305,7 +305,7 @@ class Payload:
     output_count: int  # output values per sample
 
 
-_DATATYPES = {"<f4": "FP32", "<f2": "FP16", "|u1": "UINT8"}
+DATATYPES = {"<f4": "FP32", "<f2": "FP16", "|u1": "UINT8"}
 
 
 def binary_payload(model: str, input_name: str, output_name: str, sample: np.ndarray, out_count: int) -> Payload:
@@ -317,7 +317,7 @@ def binary_payload(model: str, input_name: str, output_name: str, sample: np.nda
             {
                 "name": input_name,
                 "shape": list(sample.shape),
-                "datatype": _DATATYPES[sample.dtype.str],
+                "datatype": DATATYPES[sample.dtype.str],
                 "parameters": {"binary_data_size": sample.nbytes},
             }
         ],
@@ -349,11 +349,22 @@ def grpc_payload(model: str, input_name: str, output_name: str, sample: np.ndarr
     from tritonclient.grpc import service_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=model)
-    request.inputs.add(name=input_name, datatype=_DATATYPES[sample.dtype.str], shape=sample.shape)
+    request.inputs.add(name=input_name, datatype=DATATYPES[sample.dtype.str], shape=sample.shape)
     request.outputs.add(name=output_name)
     request.raw_input_contents.append(sample.tobytes())
     path = GRPC_STREAM if series == "grpc_stream" else GRPC_INFER
     return Payload(series, path, request.SerializeToString(), {}, sample.shape[0], output_name, out_count)
+
+
+def sample_input(input_meta: dict[str, Any], samples: int) -> np.ndarray:
+    """``samples`` rows of a model input (KServe metadata): an image model's pixels (uint8, the demo since
+    2026-12-02), else standard normal values in the input's float type."""
+    shape = (samples, *input_meta["shape"][1:])
+    rng = np.random.default_rng(0)
+    if input_meta.get("datatype") == "UINT8":
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    dtype = next((np.dtype(key) for key, name in DATATYPES.items() if name == input_meta.get("datatype")), None)
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype or np.float32)
 
 
 def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_count: int) -> Payload:
@@ -363,13 +374,7 @@ def make_payload(series: str, input_meta: dict[str, Any], output_name: str, out_
     match = re.fullmatch(r"binary_b(\d+)|binary|json|grpc|grpc_stream", series)
     if not match:
         raise ValueError(f"unknown series {series!r}: binary, json, grpc, grpc_stream or binary_bN")
-    samples = int(match.group(1) or 1)
-    shape = (samples, *input_meta["shape"][1:])
-    rng = np.random.default_rng(0)
-    if input_meta.get("datatype") == "UINT8":  # an image model's pixels (the demo since 2026-12-02)
-        sample = rng.integers(0, 256, shape, dtype=np.uint8)
-    else:
-        sample = rng.standard_normal(shape, dtype=np.float32)
+    sample = sample_input(input_meta, int(match.group(1) or 1))
     if series.startswith("grpc"):
         return grpc_payload(DEMO_MODEL, input_meta["name"], output_name, sample, out_count, series)
     maker = json_payload if series == "json" else binary_payload

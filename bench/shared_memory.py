@@ -41,10 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
+from bench.service import (  # noqa: E402
+    DATATYPES,
+    DEMO_MODEL,
+    resolve_device,
+    running,
+    sample_input,
+    server_timing,
+    service_server,
+    timing_delta,
+    timing_means_ms,
+)
 
-DEMO_MODEL = "mobilenet_v3_large"
-_DATATYPES = {"<f4": "FP32", "<f2": "FP16", "|u1": "UINT8"}
-_NUMPY = {value: np.dtype(key) for key, value in _DATATYPES.items()}
+_NUMPY = {value: np.dtype(key) for key, value in DATATYPES.items()}
 OUT_OFFSET = 1 << 20
 """The output's place in the system region (after the input)."""
 
@@ -54,14 +63,6 @@ class Case:
 
     def __init__(self, series: str, send: Callable[[], bytes], output: Callable[[bytes], np.ndarray]) -> None:
         self.series, self.send, self.output = series, send, output
-
-
-def _sample(input_meta: dict[str, Any]) -> np.ndarray:
-    shape = (1, *input_meta["shape"][1:])
-    rng = np.random.default_rng(0)
-    if input_meta["datatype"] == "UINT8":
-        return rng.integers(0, 256, shape, dtype=np.uint8)
-    return rng.standard_normal(shape, dtype=np.float32).astype(_NUMPY[input_meta["datatype"]])
 
 
 def _rest(url: str) -> Callable[[str, bytes, dict[str, str]], tuple[int, dict[str, str], bytes]]:
@@ -109,14 +110,11 @@ def rest_cases(url: str, model: str, input_meta: dict[str, Any], output: dict[st
         }).encode()
 
         def in_region(doc: bytes = doc) -> bytes:
-            return _checked(*_status_content(post(path, doc, {"Content-Type": "application/json"})))
+            status, _headers, content = post(path, doc, {"Content-Type": "application/json"})
+            return _checked(status, content)
 
         cases.append(Case(series, in_region, lambda _raw, read=read_output: read()))
     return cases
-
-
-def _status_content(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, bytes]:
-    return answer[0], answer[2]
 
 
 def grpc_cases(target: str, model: str, input_meta: dict[str, Any], output: dict[str, Any], sample: np.ndarray,
@@ -159,8 +157,6 @@ def paired(baseline: Case, shared: Case, rounds: int, requests: int, warmup: int
            ) -> dict[str, Any]:
     """The two cases alternating (which goes first swapped every round), after a check that they answer alike;
     with ``url``, also the server's own mean per request (its /metrics: request, read to reply; queue; compute)."""
-    from bench.service import server_timing, timing_delta, timing_means_ms
-
     want = baseline.output(baseline.send()).astype(np.float64)
     got = shared.output(shared.send()).astype(np.float64)
     if want.shape != got.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-6):
@@ -247,7 +243,7 @@ def cuda_client_available() -> tuple[bool, str]:
 def paired_rows(url: str, grpc_target: str | None, input_meta: dict[str, Any], output: dict[str, Any], *,
                 cuda: bool, rounds: int, requests: int, model: str = DEMO_MODEL) -> tuple[list[dict], list[str]]:
     """The rows of every pair this server and client can run, and what could not run (reasons)."""
-    sample = _sample(input_meta)
+    sample = sample_input(input_meta, 1)
     count = int(np.prod(output["shape"][1:]))
     out_dtype = _NUMPY[output["datatype"]]
     out_bytes = count * out_dtype.itemsize
@@ -310,8 +306,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.service import resolve_device, running, service_server
-
     args = parse_args(argv)
     device = resolve_device(args.device)
     head = common.header()
