@@ -7,6 +7,7 @@ Skipped unless the CUDA provider is usable and the client helpers import (run th
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,3 +99,16 @@ def test_a_cuda_region_larger_than_its_allocation_is_refused(server: Live) -> No
                 client.register_cuda_shared_memory("small", cudashm.get_raw_handle(region), 0, 1 << 30)
     finally:
         cudashm.destroy_shared_memory_region(region)
+
+
+def test_a_handle_that_does_not_open_is_refused_and_the_server_serves_on(server: Live) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    garbage = base64.b64encode(bytes(range(64))).decode()  # a cudaIpcMemHandle_t's size, no allocation behind it
+    for module, client in _clients(server):
+        with pytest.raises(InferenceServerException, match="the handle does not open on device 0"):
+            client.register_cuda_shared_memory("garbage", garbage, 0, 64)
+        x = np.zeros((1, 3, 8, 8), np.float32)
+        body = module.InferInput("input", list(x.shape), "FP32")
+        body.set_data_from_numpy(x)
+        assert client.infer("tiny", [body]).as_numpy("logits").shape == (1, 3)

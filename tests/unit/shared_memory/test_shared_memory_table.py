@@ -243,3 +243,27 @@ def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path:
         worker.lease("g")
     engines.unregister("cuda", "g")
     assert runtime.closed == [0x1000]
+
+
+def test_a_cuda_handle_that_does_not_open_or_a_device_that_cannot_be_used_is_a_clear_refusal(
+        tmp_path: Path, shm: Path) -> None:
+    from service.runtime.device import CudaError
+
+    class Refusing(_FakeCuda):
+        def open_ipc(self, handle: bytes) -> int:
+            raise CudaError("cudaIpcOpenMemHandle failed: invalid argument (1)")
+
+    class NoDevice(_FakeCuda):
+        def __init__(self) -> None:
+            super().__init__()
+
+            def set_device(device_id: int) -> None:
+                raise CudaError("cudaSetDevice failed: no CUDA-capable device is detected (100)")
+
+            self.set_device = set_device
+
+    with pytest.raises(BadRequestError, match=r"the handle does not open on device 0 .*invalid argument"):
+        _memory(tmp_path, shm, cuda=Refusing).register_cuda("gpu", bytes(64), 0, 64)
+    with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: device 0 cannot be used"):
+        _memory(tmp_path, shm, cuda=NoDevice).register_cuda("gpu", bytes(64), 0, 64)
+    assert _memory(tmp_path, shm).status("cuda") == []  # nothing was recorded
