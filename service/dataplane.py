@@ -219,18 +219,24 @@ class DataPlane:
     # ------------------------------------------------------------------ health
     @property
     def ready(self) -> bool:
-        """Every stored model loaded and warmed, no shutdown begun, no GPU fault met while serving
-        (``registry.gpu_faults``), and (several devices) one device serving."""
+        """Every stored model loaded and warmed, no shutdown begun, every version with an engine that works
+        (``registry.recovery``: false while one is being replaced after a GPU fault, and once one could not be),
+        and (several devices) one device serving."""
         devices = self.manager.devices
         serving = devices is None or bool(devices.serving())
-        faulted = self.manager.served_faults.fault is not None
-        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving and not faulted
+        recovery = self.manager.recovery
+        healthy = not recovery.recovering and recovery.lost is None
+        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving and healthy
 
     def not_ready_reason(self) -> str:
         if self.shutting_down:
             return "shutting down"
-        if self.manager.served_faults.fault is not None:
-            return self.manager.served_faults.fault
+        recovery = self.manager.recovery
+        if recovery.lost is not None:
+            return recovery.lost
+        if recovery.recovering:
+            replacing = "; ".join(f"{label} ({why})" for label, why in recovery.recovering.items())
+            return f"replacing the engine of {replacing}"
         if self.start_failed is not None:
             return f"startup failed: {self.start_failed}"
         devices = self.manager.devices

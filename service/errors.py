@@ -174,3 +174,11 @@ class EngineError(ServiceError):
     """The inference engine failed on a valid request (a server fault, reported without internals)."""
 
     status, grpc_code, code = 500, "INTERNAL", "engine_error"
+
+
+class GpuFaultError(EngineError):
+    """The GPU faulted (a sticky CUDA error: the process's CUDA context is lost for good). The server replaces the
+    engine in a fresh process and runs the batch in flight again once; a client sees this only when that failed
+    too, and may retry."""
+
+    status, grpc_code, code = 503, "UNAVAILABLE", "gpu_fault"

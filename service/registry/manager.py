@@ -46,27 +46,24 @@ from service.errors import (
 from service.imaging.config import Postprocess, Preprocess
 from service.model_config import EffectiveConfig, ModelConfig
 from service.registry.acceptance import validate_new_model_name
-from service.registry.gpu_faults import ServedFaults, save_faults
 from service.registry.importer import import_models
 from service.registry.locks import exclusive_async
-from service.registry.metadata import (
-    SCHEMA_VERSION,
-    OptimizationRecord,
-    VersionMetadata,
-    stored_record,
-)
+from service.registry.metadata import SCHEMA_VERSION, VersionMetadata
 from service.registry.optimizing import Optimizations
+from service.registry.recovery import Recovery
 from service.registry.repository import is_unloaded
-from service.registry.search_later import DeferredSearches
 from service.registry.store import ModelStore
 from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
+from service.registry.tuning_records import run_of, with_record
 from service.registry.version import MetricsSink, ModelState, ModelVersion
-from service.runtime.contract import EngineLoader, EngineOptions, LoadedEngine, LoadRequest
-from service.runtime.conv_search import pending as search_pending
+from service.registry.version_engines import VersionEngines, engine_options
+from service.runtime.contract import EngineOptions
+from service.runtime.engine_process.client import RemoteEngineLoader
 from service.runtime.engine_process.devices import DeviceBoard
-from service.runtime.engine_thread import EngineThreads
+from service.runtime.engine_process.spread import SpreadEngineLoader
 from service.runtime.loading import load_in_process
+from service.runtime.loads import EngineLoader, LoadedEngine
 from service.runtime.phases import LoadPhases
 from service.settings import ServiceSettings
 
@@ -104,17 +101,6 @@ def server_variants(settings: ServiceSettings) -> frozenset[str]:
                                             fused_ops_library=settings.fused_ops_library_file))
 
 
-def engine_options(settings: ServiceSettings, config: EffectiveConfig) -> EngineOptions:
-    """The engine options of a version; the device is the first of ``devices`` (an engine process of several
-    devices pins them to its own)."""
-    ordinals = settings.device_ordinals
-    return EngineOptions(
-        device=settings.device, device_id=ordinals[0] if ordinals else 0, buckets=config.buckets,
-        cudnn_conv_algo_search=settings.cudnn_conv_algo_search, tune_budget_s=settings.tune_budget_s,
-        cpu_threads=settings.cpu_threads, fused_ops_library=settings.fused_ops_library_file,
-    )
-
-
 class ModelManager:
     """Every model version of one server process: start, stop, upload, delete, load.
 
@@ -138,6 +124,7 @@ class ModelManager:
         engine_loader: EngineLoader = load_in_process,
         devices: DeviceBoard | None = None,
         variants: frozenset[str] | None = None,
+        relocate: Callable[[], EngineLoader] | None = None,
     ) -> None:
         self.settings = settings
         self.devices = devices
@@ -148,12 +135,15 @@ class ModelManager:
         self.store_lock = asyncio.Lock()
         """Held while this process changes which versions exist (publish + register, unload + remove) and
         while it syncs with the store, so a sync never sees a version half-way."""
-        self._engine_loader = engine_loader
         self._optimizing = Optimizations(settings, self.store, self.check_accepting,
                                          server_variants(settings) if variants is None else variants)
         self._follower = StoreFollower(self, settings.store_sync_s) if follow_store else None
-        self._searches = DeferredSearches(self.store, self.check_accepting, self._save_verdict)
-        self.served_faults = ServedFaults(self.store)
+        self.engines = VersionEngines(settings, self.store, engine_loader)
+        """Where this process's versions get their engines (the loader changes after a move)."""
+        in_process = not isinstance(engine_loader, RemoteEngineLoader | SpreadEngineLoader)
+        self.recovery = Recovery(self.engines.start, self.engines.use_loader, lambda: list(self.table),
+                                 relocate=relocate, in_process=in_process)
+        """Replaces an engine after a GPU fault or a lost engine process (``registry.recovery``)."""
         self._started = False
         self.stopping = False
 
@@ -193,7 +183,7 @@ class ModelManager:
         """Refuse new work, let in-flight requests finish within ``grace_s``, close every engine."""
         self.stopping = True
         self._optimizing.kill_all()
-        await self._searches.stop()
+        await self.recovery.stop()
         if self._follower is not None:
             await self._follower.stop()
         everything = list(self.table)
@@ -373,41 +363,24 @@ class ModelManager:
             await mv.shutdown(timeout_s=0)
 
     async def _load(self, mv: ModelVersion, phases: LoadPhases) -> None:
-        """Load the engine on the version's engine thread (the tuner picks a variant; its record is stored),
-        start the batcher on that thread, warm the path; log and report the load's phases."""
-        assert mv.metadata is not None and mv.metadata.optimization is not None
-        request = LoadRequest(
-            files={name: str(self.store.file_path(mv.name, mv.version, entry.file))
-                   for name, entry in mv.metadata.optimization.variants.items()},
-            options=engine_options(self.settings, mv.config), precision=mv.config.precision,
-            cached_choice=mv.metadata.engine, batch_limit=mv.config.max_batch_size, label=mv.name,
-            cached_records=tuple(mv.metadata.engines.values()),
-            known_faults=tuple(await asyncio.to_thread(self.store.tuner_faults)),
-        )
-        threads = EngineThreads(f"{mv.name}:{mv.version}")
-        try:
-            loaded = await threads.run(self._engine_loader, request)
-        except BaseException:
-            threads.shutdown()
-            raise
+        """Load the engine on the version's engine thread (it serves at once and tunes once it serves; its
+        record is stored), start the batcher on that thread, warm the path; log and report the load's phases."""
+        loaded, threads = await self.recovery.load(mv)
         try:
             before = mv.metadata
+            assert before is not None
             records = (*loaded.records, loaded.record)  # the served device's last: it is the version's engine
             for record in records:
                 mv.metadata = mv.metadata.with_engine(record)
             for record in records:
                 if not before.records_engine(record):
-                    change = functools.partial(_with_record, record, _run_of(before.optimization))
+                    change = functools.partial(with_record, record, run_of(before.optimization))
                     await self._save_metadata(mv, change, "the engine choice")
-            await save_faults(self.store, mv, [fault for record in records if not record.get("reused")
-                                         for fault in record.get("faults") or ()])
             activating = time.perf_counter()
+            mv.recover = self.recovery.replace
             await mv.activate(loaded.engine, threads)
             phases.add("activate", time.perf_counter() - activating)
             threads.warm_while_serving(loaded.engine)
-            mv.on_gpu_fault = self.served_faults.watch(mv, loaded.record, request.files)
-            if search_pending(loaded.record):
-                self._searches.schedule(mv, request, loaded.record)
         except BaseException:
             if not mv.has_engine:
                 await threads.run(loaded.engine.close)
@@ -436,12 +409,6 @@ class ModelManager:
             log.warning("%s v%d: %s was not saved (%s); it serves, and a later start repeats the work",
                         mv.name, mv.version, what, exc.message)
 
-    async def _save_verdict(self, mv: ModelVersion, record: dict[str, Any]) -> None:
-        """Store a tuner record whose cuDNN search was compared later (the next load builds with it)."""
-        assert mv.metadata is not None
-        change = functools.partial(_with_record, record, _run_of(mv.metadata.optimization))
-        await self._save_metadata(mv, change, "the cuDNN search verdict")
-
     def report_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_loaded_models(self.table.ready_count())
@@ -450,20 +417,6 @@ class ModelManager:
 def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:
     """The stored metadata in the current schema (None: it is already)."""
     return None if stored.get("schema_version") == SCHEMA_VERSION else VersionMetadata.parse(stored).to_dict()
-
-
-def _run_of(optimization: OptimizationRecord | None) -> tuple[str, str] | None:
-    """Which optimizer run made the stored files (its cache key and time)."""
-    return None if optimization is None else (optimization.cache_key, optimization.optimized_at)
-
-
-def _with_record(record: dict[str, Any], run: tuple[str, str] | None, stored: dict[str, Any]) -> dict[str, Any] | None:
-    """The stored metadata with this device's tuner record; None when it holds it already, or when the
-    version was optimized again meanwhile (the record belongs to files that are gone)."""
-    current = VersionMetadata.parse(stored)
-    if _run_of(current.optimization) != run or current.records_engine(record):
-        return None
-    return current.with_engine(stored_record(record)).to_dict()
 
 
 __all__ = ["DEMO_MODEL", "ModelManager", "demo_config", "engine_options"]

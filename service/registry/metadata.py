@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.errors import UnprocessableError, printable
 from service.model_config import ModelConfig
 from service.registry.store import ORIGINAL
-from service.runtime.contract import Signature, stored_record
+from service.runtime.contract import Signature
+from service.runtime.loads import stored_record
 
 SCHEMA_VERSION = 2
 

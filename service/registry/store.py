@@ -5,7 +5,8 @@ Layout::
     root/.staging/<owner>-<uuid>...   uploads and optimizer outputs in progress
     root/.owners/<owner>.lock         held (flock) by the live process that owns the entries tagged <owner>
     root/.lock, root/.prepare.lock    version numbers; preparing a fresh store (demo model, imports)
-    root/.tuner-faults.json           tuner configurations that faulted a GPU (``runtime.tuner_faults``)
+    root/.tuner-faults.json           configurations refused on a GPU: faulted or computed differently
+                                      (``runtime.tuner_faults``)
     root/<name>/<version>/            one complete version: original.onnx, optimized.onnx (+ variants such
                                       as optimized-plain.onnx), metadata.json (.optimize.lock: optimizing
                                       it again)
@@ -461,8 +462,9 @@ def _leftover(check: OwnerCheck, name: str) -> bool:
 
 
 def _fault_key(entry: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes a tuner fault the same one: the GPU model, ORT version, graph and configuration."""
-    return tuple(entry.get(k) for k in ("device", "ort_version", "graph_sha256", "config"))
+    """What makes a refused configuration the same one: the GPU model, ORT version, graph, configuration and
+    fused-op library build (``runtime.tuner_faults``)."""
+    return tuple(entry.get(k) for k in ("device", "ort_version", "graph_sha256", "config", "library"))
 
 
 def _dump(data: dict[str, Any]) -> bytes:

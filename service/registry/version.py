@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -95,8 +95,8 @@ class ModelVersion:
         stored = metadata.signature if metadata is not None else Signature((), ())
         self.signature = stored.limited(max_batch=config.queue_size, max_bytes=max_input_bytes)
         self.max_batch_size = config.max_batch_size
-        self.on_gpu_fault: Callable[[str], None] | None = None
-        """Told every engine error (``registry.gpu_faults``: a GPU fault is kept and the server turns unready)."""
+        self.recover: Callable[[ModelVersion, Any, BaseException], Awaitable[bool]] | None = None
+        """Asked when an engine call fails (``registry.recovery``): True once the engine was replaced."""
         self._engine: Engine | None = None
         self._batcher: Batcher | None = None
 
@@ -135,12 +135,7 @@ class ModelVersion:
         batcher = self._batcher
         if self.state is not ModelState.READY or batcher is None:
             raise ModelNotReadyError(f"model {self.name!r} version {self.version} is {self.state.value.lower()}")
-        try:
-            result = await batcher.submit(request, alone=alone)
-        except EngineError as exc:
-            if self.on_gpu_fault is not None:
-                self.on_gpu_fault(exc.message)
-            raise
+        result = await batcher.submit(request, alone=alone)
         outputs = result.outputs
         if request.outputs is not None:
             try:
@@ -161,7 +156,7 @@ class ModelVersion:
         config = self.config
         policy = BatchPolicy(self.max_batch_size, config.max_delay_s, config.queue_size, config.timeout_s)
         self._batcher = Batcher(engine, policy, name=f"{self.name}:{self.version}", observer=self._reporter,
-                                threads=threads)
+                                threads=threads, recover=self._recover)
         self._reporter.on_depth(0)  # the series exists from the start
         self._batcher.start()
         warm = self._warmup_request()
@@ -175,6 +170,21 @@ class ModelVersion:
                 ) from None
         self.statistics.reset()  # the warm-up is not a client's inference
         self.state = ModelState.READY
+
+    async def _recover(self, engine: Any, error: BaseException) -> bool:
+        return self.recover is not None and await self.recover(self, engine, error)
+
+    def replace_engine(self, engine: Engine, threads: EngineThreads) -> Engine | None:
+        """Serve from ``engine`` (on ``threads``) from the next batch on; the engine it replaces is returned (the
+        caller disposes of it: a call in flight may still finish on it)."""
+        old, self._engine = self._engine, engine
+        if self._batcher is not None:
+            self._batcher.replace(engine, threads)
+        return old
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
 
     def _warmup_request(self) -> InferenceRequest | None:
         """Zeros of batch 1 when every non-batch dim is fixed (else no safe shape is known)."""

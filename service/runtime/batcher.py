@@ -19,6 +19,10 @@ that every caller gets exactly its own rows (``runtime.batching``). Why this sha
 * A request larger than ``max_batch_size`` runs alone (the engine chunks it).
 * Outputs are copied per caller, so no caller ever holds a view into a buffer the engine may reuse.
 * A lone request on an idle server skips the queue (``DIRECT_MAX_S``): see ``submit``.
+* An engine call that fails is run once more when ``recover`` (the registry's: a GPU fault or a lost engine
+  process) replaced the engine meanwhile (``replace``); its callers see the error only when that failed too. Each
+  call is bound to the engine and threads current when it was handed over, so a call in flight finishes where it
+  started.
 
 Requests arrive checked (``InferenceRequest``); this module imports nothing from the web layer.
 """
@@ -34,8 +38,8 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -62,6 +66,11 @@ time: the event loop hands it straight to the engine thread and waits for the an
 DIRECT_WAIT_S = 0.005
 """How long the event loop waits for a direct call before it awaits it like any other (an engine that is
 slower this time, e.g. behind another engine's capture, never holds the loop longer)."""
+
+
+Recover = Callable[[Any, BaseException], Awaitable[bool]]
+"""``recover(engine, error)``: True once the engine that failed with ``error`` has been replaced (``Batcher.replace``),
+so the call is worth running once more; False when the error stands."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +116,7 @@ class Batcher:
 
     def __init__(
         self, engine: Engine, policy: BatchPolicy, *, name: str = "model", observer: BatchObserver | None = None,
-        threads: EngineThreads | None = None,
+        threads: EngineThreads | None = None, recover: Recover | None = None,
     ) -> None:
         self._engine = engine
         self.policy = policy
@@ -134,6 +143,14 @@ class Batcher:
         self.direct_max_s = policy.direct_max_s if policy.max_delay_s == 0 else 0.0
         self._lone_run_s: dict[int, float] = {}
         """The engine's own time for a lone request, per sample count (the direct rule compares it)."""
+        self._recover = recover
+
+    def replace(self, engine: Engine, threads: EngineThreads) -> None:
+        """Serve from ``engine`` on ``threads`` from the next call on (calls in flight finish where they are). The
+        number of batches in flight stays as it was."""
+        threads.widen(self.in_flight)
+        self._engine, self._threads = engine, threads
+        self._lone_run_s = {}
 
     # ------------------------------------------------------------------ public API
 
@@ -141,10 +158,6 @@ class Batcher:
     def queue_depth(self) -> int:
         """Samples waiting: queued or in a batch that is still forming (not yet handed to the engine)."""
         return self._queue.depth
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     def start(self) -> None:
         """Create the batching task. Call inside the running event loop; it does no engine work."""
@@ -206,12 +219,16 @@ class Batcher:
         """One request as its own batch on the engine thread, the loop waiting for it; see ``submit``."""
         started = time.monotonic()
         self._executing += 1
+        engine = self._engine
         try:
-            job = self._threads.submit(self._compute, [inputs], [n])
+            job = self._threads.submit(self._compute, engine, [inputs], [n])
             try:
-                outputs = job.result(timeout=DIRECT_WAIT_S)[0]  # the loop waits: cheaper than the queue's path
-            except TimeoutError:
-                outputs = (await asyncio.wrap_future(job))[0]
+                try:
+                    outputs = job.result(timeout=DIRECT_WAIT_S)[0]  # the loop waits: cheaper than the queue's path
+                except TimeoutError:
+                    outputs = (await asyncio.wrap_future(job))[0]
+            except Exception as exc:
+                outputs = (await self._once_more(engine, exc, [inputs], [n]))[0]
         except ServiceError:
             raise
         except Exception as exc:
@@ -267,7 +284,7 @@ class Batcher:
             await asyncio.wait_for(asyncio.shield(done), timeout=remaining)
         except TimeoutError:
             log.warning("batcher %s: engine still busy; it is closed when its call ends%s", self.name,
-                        self._engine_stacks())
+                        thread_stacks(self._threads.idents))
         except Exception:
             log.exception("batcher %s: finalizing the engine failed", self.name)
 
@@ -369,8 +386,12 @@ class Batcher:
         self._executing += 1
         loop = asyncio.get_running_loop()
         watchdog = loop.call_later(self.timeout_s, self._report_stuck_call, started)
+        engine, inputs, sizes = self._engine, [r.inputs for r in live], [r.n for r in live]
         try:
-            split = await self._threads.run(self._compute, [r.inputs for r in live], [r.n for r in live])
+            try:
+                split = await self._threads.run(self._compute, engine, inputs, sizes)
+            except Exception as exc:
+                split = await self._once_more(engine, exc, inputs, sizes)
         except asyncio.CancelledError:
             for request in live:
                 request.fail(ShuttingDownError("the model is shutting down"))
@@ -393,35 +414,43 @@ class Batcher:
         """An engine call has outlived the request timeout: its callers have been answered with a timeout,
         but the call cannot be interrupted. Log where the engine threads are, once per such call, so that
         a hang (in the device driver, or a lock) can be told from a slow call after the fact."""
-        log.error(
-            "batcher %s: an engine call has been running for %.1f s (request timeout %g s)%s",
-            self.name, time.monotonic() - started, self.timeout_s, self._engine_stacks(),
-        )
+        log.error("batcher %s: an engine call has been running for %.1f s (request timeout %g s)%s", self.name,
+                  time.monotonic() - started, self.timeout_s, thread_stacks(self._threads.idents))
 
-    def _engine_stacks(self) -> str:
-        """Where the engine threads are now (for a log line), or "" if none lives."""
-        frames = sys._current_frames()
-        stacks = [
-            f"engine thread {ident}:\n" + "".join(traceback.format_stack(frames[ident]))
-            for ident in sorted(self._threads.idents)
-            if ident in frames
-        ]
-        return ":\n" + "\n".join(stacks) if stacks else ""
+    async def _once_more(self, engine: Engine, error: Exception, inputs: list[dict[str, np.ndarray]],
+                         sizes: list[int]) -> list[dict[str, np.ndarray]]:
+        """After ``engine`` failed with ``error``: the call once more on the engine that replaced it, when
+        ``recover`` replaced it; else ``error`` stands."""
+        if self._recover is None or not await self._recover(engine, error):
+            raise error
+        log.warning("batcher %s: a batch of %d that failed (%s) runs once more on the replaced engine", self.name,
+                    sum(sizes), error)
+        return await self._threads.run(self._compute, self._engine, inputs, sizes)
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _compute(self, inputs: list[dict[str, np.ndarray]], sizes: list[int]) -> list[dict[str, np.ndarray]]:
-        """Runs on an engine thread: one engine call, split back (copies, never views). A lone request's engine
-        time is kept per sample count for the direct decision (``submit``)."""
+    def _compute(self, engine: Engine, inputs: list[dict[str, np.ndarray]],
+                 sizes: list[int]) -> list[dict[str, np.ndarray]]:
+        """Runs on an engine thread: one call of ``engine`` (the one current when the call was handed over),
+        split back (copies, never views). A lone request's engine time is kept per sample count for the direct
+        decision (``submit``)."""
         started = time.perf_counter()
-        outputs = self._engine.run_parts(inputs)
+        outputs = engine.run_parts(inputs)
         if len(inputs) == 1:
-            own = self._engine.last_engine_seconds()
+            own = engine.last_engine_seconds()
             self._lone_run_s[sizes[0]] = own if own is not None else time.perf_counter() - started
         return split_rows(outputs, sizes, copy=True)
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def thread_stacks(idents: set[int]) -> str:
+    """Where these threads are now (for a log line), or "" if none lives."""
+    frames = sys._current_frames()
+    stacks = [f"engine thread {ident}:\n" + "".join(traceback.format_stack(frames[ident]))
+              for ident in sorted(idents) if ident in frames]
+    return ":\n" + "\n".join(stacks) if stacks else ""
 
 
 def _engine_error(name: str, exc: BaseException) -> EngineError:

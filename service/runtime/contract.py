@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from service.errors import EngineError, InvalidInputError, InvalidModelError, printable
-from service.runtime.phases import LoadPhases
 
 if TYPE_CHECKING:
     import onnx
@@ -379,7 +378,8 @@ class EngineOptions:
     """EXHAUSTIVE, HEURISTIC or DEFAULT (ORT's names), or "auto": the CUDA tuner measures which one serves as
     fast and records it (``runtime.conv_search``)."""
     tune_budget_s: float = 60.0
-    """0: the tuner serves its first candidate untimed."""
+    """Seconds the tuner may spend timing candidates once a version serves (0: the default configuration serves,
+    never timed)."""
     cpu_threads: int = 0
     cuda_graph: bool = True
     """Capture CUDA graphs where the model allows (the tuner turns it off for graphless candidates)."""
@@ -452,47 +452,13 @@ class WarmsWhileServing(Protocol):
     def warm_next(self) -> bool: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadRequest:
-    """A model version's engine: its optimized variants (variant name -> file path), options, precision,
-    the tuner's earlier record for it (reused on the same device), the merge limit of the engine process,
-    the model's name for logs and metrics (not part of the key), the records made on other devices
-    (replicas on other GPUs: the one of this device, if there, is reused), and the store's record of tuner
-    configurations that faulted a GPU (``runtime.tuner_faults``)."""
+@runtime_checkable
+class TunesWhileServing(WarmsWhileServing, Protocol):
+    """An engine whose serving thread has work again later (``runtime.switching``: the tuner, running in the
+    background, found a configuration to build and prove): it calls ``wake`` then, from any thread, and whoever
+    serves it calls ``warm_next`` on the serving thread again until it returns False."""
 
-    files: dict[str, str]
-    options: EngineOptions
-    precision: str
-    cached_choice: dict[str, Any] | None
-    batch_limit: int
-    label: str = ""
-    cached_records: tuple[dict[str, Any], ...] = ()
-    known_faults: tuple[dict[str, Any], ...] = ()
-
-
-def stored_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A tuner record as kept and handed back as a cached choice: whether a load reused it is not part of
-    the choice."""
-    return {key: value for key, value in record.items() if key != "reused"}
-
-
-@dataclasses.dataclass
-class LoadedEngine:
-    """An engine and the tuner's JSON-able record of how it was chosen; ``records``: the records of further
-    devices of other GPU models (an engine spread over several engine processes), kept beside ``record``;
-    ``phases``: how long reading, tuning, the session and the warm-up took."""
-
-    engine: Engine
-    record: dict[str, Any]
-    records: tuple[dict[str, Any], ...] = ()
-    phases: LoadPhases = dataclasses.field(default_factory=LoadPhases)
-
-
-class EngineLoader(Protocol):
-    """Builds the engine of a model version: here (``runtime.loading.load_in_process``) or in the engine
-    process (``runtime.engine_process.client.RemoteEngineLoader``)."""
-
-    def __call__(self, request: LoadRequest) -> LoadedEngine: ...
+    def on_more_work(self, wake: Callable[[], None]) -> None: ...
 
 
 __all__ = [
@@ -501,17 +467,14 @@ __all__ = [
     "NUMPY_TO_KSERVE",
     "ONNX_TO_NUMPY",
     "Engine",
-    "EngineLoader",
     "EngineOptions",
     "InferenceRequest",
-    "LoadRequest",
-    "LoadedEngine",
     "PageLocker",
     "Signature",
     "TensorSpec",
+    "TunesWhileServing",
     "WarmsWhileServing",
     "datatype_of",
     "random_feeds",
     "shape_text",
-    "stored_record",
 ]

@@ -8,13 +8,14 @@ conv.cc); whether the slower choice gives faster kernels depends on the model an
 "auto", once per chosen configuration, GPU and ORT version, a child process builds the configuration with
 both searches at every served bucket and times each bucket's replay, and the faster-to-warm HEURISTIC is
 served unless EXHAUSTIVE is faster beyond noise at some served bucket. The comparison costs EXHAUSTIVE's whole
-warm-up, so it never delays a start: the first load serves HEURISTIC with the entry ``pending``, and the
-registry runs the comparison once the model serves (``measure_pending``, in the background). The verdict is
-the record's ``cudnn_conv_algo_search`` entry (``runtime.tuner``'s record, kept per GPU and ORT version), so a
-restart on the same GPU and ORT version builds the session with it and measures nothing. An explicit setting
-(EXHAUSTIVE, HEURISTIC, DEFAULT) is used as set, and the tuner times its candidates with it; under "auto" the
-candidates are timed with HEURISTIC (the ranking is about graphs, layouts and precisions; each candidate's
-warm-up costs a fraction of EXHAUSTIVE's) and the comparison follows for the winner only.
+warm-up, so it never delays a start: a version serves first with HEURISTIC, and the comparison is the last step
+of the tuning that runs once it serves (``runtime.switching``); its verdict is the record's
+``cudnn_conv_algo_search`` entry (``runtime.tuner``'s record, kept per GPU and ORT version), which the engine
+switched to is built with, and a restart on the same GPU and ORT version builds its session with it
+(``served_search``) and measures nothing. An explicit setting (EXHAUSTIVE, HEURISTIC, DEFAULT) is used as set,
+and the tuner times its candidates with it; under "auto" the candidates are timed with HEURISTIC (the ranking
+is about graphs, layouts and precisions; each candidate's warm-up costs a fraction of EXHAUSTIVE's) and the
+comparison follows for the winner only.
 
 The noise rule: EXHAUSTIVE is served when, at any served bucket, HEURISTIC's time is more than ``NOISE`` (3 %)
 above EXHAUSTIVE's. Each time is the lower of two medians of up to ``RUNS`` replays, the two sessions alive
@@ -25,10 +26,8 @@ below what a different kernel choice did to these models (layout and fusion choi
 bucket decides, so serving speed never pays for a faster start; the price of EXHAUSTIVE is the slower
 warm-up, which the log shows.
 
-With a tuning budget of 0 nothing is timed: HEURISTIC is served and the entry says it was not measured (a
-later load with a budget measures it). A comparison that fails (a crash, a timeout) serves HEURISTIC, which
-ran cleanly when the configuration was timed, and the entry keeps the error, so it is not repeated at every
-start.
+A comparison that fails (a crash, a timeout) serves HEURISTIC, which ran cleanly when the configuration was
+timed, and the entry keeps the error, so it is not repeated at every start.
 """
 
 from __future__ import annotations
@@ -81,50 +80,20 @@ def verdict(timings: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:
     return CHEAP, f"{CHEAP} within {NOISE:.0%} of {THOROUGH} at every served bucket ({gaps})"
 
 
-def served_options(
-    record: dict[str, Any], config: Config, model: onnx.ModelProto, settings: EngineOptions, budget_s: float
-) -> EngineOptions:
-    """``settings`` with the search the served session(s) of ``config`` are built with; what is measured now
-    goes into ``record[FIELD]``."""
+def served_search(record: Mapping[str, Any] | None, config: Config, settings: EngineOptions) -> EngineOptions:
+    """``settings`` with the search a served session of ``config`` is built with: an explicit setting as set;
+    under "auto" the verdict ``record`` holds for this configuration, else the cheap search."""
     if settings.cudnn_conv_algo_search != AUTO:
         return settings
-    entry = record.get(FIELD)
-    if not _reusable(entry, config, budget_s):
-        entry = record[FIELD] = _unmeasured(config) if budget_s <= 0 else _pending(config)
-    return settings.replace(cudnn_conv_algo_search=entry["choice"])
+    entry = (record or {}).get(FIELD)
+    if isinstance(entry, dict) and entry.get("config") == config.key and entry.get("choice") in (CHEAP, THOROUGH):
+        return settings.replace(cudnn_conv_algo_search=entry["choice"])
+    return settings.replace(cudnn_conv_algo_search=CHEAP)
 
 
-def pending(record: Mapping[str, Any]) -> bool:
-    """The record's search is still to be compared (``measure_pending``)."""
-    entry = record.get(FIELD)
-    return isinstance(entry, dict) and bool(entry.get("pending"))
-
-
-def measure_pending(
-    record: Mapping[str, Any], files: Mapping[str, str], settings: EngineOptions, cancel: threading.Event | None = None
-) -> dict[str, Any]:
-    """The record with its pending search compared (a child process; minutes at most, ``TIMEOUT_S``; ``cancel``
-    kills it): what the next load on this GPU and ORT version builds its session with."""
-    config = Config(**record["choice"])
-    model = onnx.load(files[config.variant], load_external_data=False)
-    return {**record, FIELD: measure(config, model, settings, cancel)}
-
-
-def _reusable(entry: Any, config: Config, budget_s: float) -> bool:
-    """A recorded verdict for this configuration (one not measured only while the budget stays 0)."""
-    return (isinstance(entry, dict) and entry.get("config") == config.key and entry.get("choice") in (CHEAP, THOROUGH)
-            and (bool(entry.get("measured")) or budget_s <= 0))
-
-
-def _pending(config: Config) -> dict[str, Any]:
-    logger.info("autotune: cuDNN search %s for %s until the comparison, run once the model serves", CHEAP, config.key)
-    return {"config": config.key, "choice": CHEAP, "measured": False, "pending": True,
-            "reason": f"{CHEAP} served until the comparison, run once the model serves, records a verdict"}
-
-
-def _unmeasured(config: Config) -> dict[str, Any]:
-    logger.info("autotune: cuDNN search %s for %s, not measured (tuning budget 0)", CHEAP, config.key)
-    return {"config": config.key, "choice": CHEAP, "measured": False, "reason": "tuning budget 0: not measured"}
+def unmeasured(config: Config, why: str) -> dict[str, Any]:
+    """The record's entry for a search served without a comparison (``why`` says so)."""
+    return {"config": config.key, "choice": CHEAP, "measured": False, "reason": why}
 
 
 def measure(
@@ -175,5 +144,4 @@ def compare_child(model_data: bytes, settings_data: dict[str, Any], config_data:
             engine.close()
 
 
-__all__ = ["AUTO", "FIELD", "NOISE", "measure", "measure_pending", "pending", "ranking_options", "served_options",
-           "verdict"]
+__all__ = ["AUTO", "FIELD", "NOISE", "measure", "ranking_options", "served_search", "unmeasured", "verdict"]

@@ -1,16 +1,23 @@
-"""The CUDA tuner's candidates (``Config``) and how one is loaded: the graph variant in its precision, layout,
-conv-bias fusion and CUDA graphs. Shared by the tuner (``runtime.tuner``) and the cuDNN search comparison
-(``runtime.conv_search``), which load configurations in their child processes."""
+"""The CUDA tuner's candidates (``Config``), which ones a model gets (``_configs``, ``default_config``), and how one
+is loaded: the graph variant in its precision, layout, conv-bias fusion and CUDA graphs. Shared by the tuner
+(``runtime.tuner``), the engine that switches (``runtime.switching``) and the cuDNN search comparison
+(``runtime.conv_search``), which load configurations in their child processes.
+
+Families dropped from the candidates, with their evidence in docs/benchmarks.md: conv-bias fusion in NCHW
+(relative L2 7e11 and 3e12 on the H200) and conv-bias fusion in fp16 CUDA graphs (CUDA 716 "misaligned address"
+and 719 "unspecified launch failure" at graph replay on the H100, for MobileNetV3 and ResNet-50 alike)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import onnx
 
 from service.runtime.contract import EngineOptions
 from service.runtime.engine import OrtEngine
+from service.runtime.fused_ops import uses_fused_ops
 from service.runtime.precision import to_fp16
 
 
@@ -51,4 +58,88 @@ def load_config(model: onnx.ModelProto, config: Config, settings: EngineOptions)
                           variant=config.key)
 
 
-__all__ = ["Config", "has_fused_conv", "load_config"]
+PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16"), "bf16": ("fp32",)}
+"""Precision asked -> precisions timed on CUDA (bf16 is OpenVINO's, on the CPU: cpu_tuner)."""
+DEFAULT_PREFERENCE = (("nhwc", True), ("nchw", True), ("nhwc", False), ("nchw", False))
+"""The default configuration's layout and CUDA graphs, in order of preference (``default_config``)."""
+SPLIT_MIN_BUCKET = 8  # smaller buckets always stay on the primary configuration (launch overhead rules there)
+
+
+def configs_for(
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
+) -> list[Config]:
+    """Every combination to time, the likeliest winners first (they survive a short budget)."""
+    names = sorted(candidates, key=lambda n: (has_fused_conv(candidates[n]), uses_fused_ops(candidates[n]), n))
+    fp16_names = [n for n in names if _fp16_convertible(candidates[n])] or names
+    configs = []
+    for prec in PRECISIONS[precision]:
+        for name in fp16_names if prec == "fp16" else names:
+            for nhwc in _layouts(candidates[name]):
+                bias = _bias_options(candidates[name], nhwc=nhwc, precision=prec, graph=settings.cuda_graph)
+                configs.extend(Config(name, nhwc, prec, fused) for fused in bias)
+    # the fused operators right after the first configuration: they are what the lowered variant exists for
+    kernels = [c for c in configs[1:] if uses_fused_ops(candidates[c.variant])]
+    configs = configs[:1] + kernels + [c for c in configs[1:] if c not in kernels]
+    if not settings.cuda_graph:  # every configuration runs without graphs
+        return [dataclasses.replace(c, cuda_graph=False) for c in configs]
+    large = _large_batch_configs(candidates, settings, precision)
+    # the likeliest large-batch winner right after the likeliest primary: on an H200 the budget ran out on
+    # faulting graph configurations before a large-batch one at the end of the list was reached
+    # (bench/results/engine-2026-12-01-h200-auto.log), so precision "auto" never split
+    return configs[:1] + large[:1] + configs[1:] + large[1:]
+
+
+def _large_batch_configs(
+    candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, precision: str
+) -> list[Config]:
+    """Configurations without CUDA graphs, timed last, for the large buckets only (see split_engine).
+
+    Only graphs without FusedConv or fused operators, NHWC: launch overhead hardly matters at large batches,
+    where fp16 with conv-bias fusion and no graph was fastest on an H200 (1.93 ms at batch 64 against 3.19 for
+    the fp32 graph). Always timed at the largest bucket, which is what they are for."""
+    if not splits(settings):
+        return []
+    names = sorted(n for n, model in candidates.items() if _fp16_convertible(model))
+    large = [Config(name, True, prec, fused, cuda_graph=False)
+             for prec in PRECISIONS[precision] for name in names for fused in (False, True)]
+    # likeliest winners first: fp16 before fp32, conv-bias fusion before none (H200, batch 64)
+    return sorted(large, key=lambda c: (c.precision != "fp16", not c.fuse_conv_bias))
+
+
+def splits(settings: EngineOptions) -> bool:
+    """Whether large buckets may go to a second engine: there are buckets that large."""
+    return max(settings.buckets) >= SPLIT_MIN_BUCKET
+
+
+def _fp16_convertible(model: onnx.ModelProto) -> bool:
+    """FusedConv's CUDA kernel and the ai.onnxcnn operators are float32 only: such graphs stay fp32."""
+    return not has_fused_conv(model) and not uses_fused_ops(model)
+
+
+def _layouts(model: onnx.ModelProto) -> list[bool]:
+    """prefer_nhwc values to time: both, NHWC first, except for the ai.onnxcnn operators (NCHW kernels)."""
+    return [False] if uses_fused_ops(model) else [True, False]
+
+
+def _bias_options(model: onnx.ModelProto, *, nhwc: bool, precision: str, graph: bool) -> list[bool]:
+    """fuse_conv_bias values to time: off first (the long-measured default); on only where a plain Conv carries a
+    bias of its own (FusedConv adds its bias inside cuDNN's fused call already), in NHWC (in NCHW it computed
+    garbage on the H200) and not in an fp16 CUDA graph (716/719 faults on the H100)."""
+    if has_fused_conv(model) or not nhwc or (precision == "fp16" and graph):
+        return [False]
+    return [False, True]
+
+
+def default_config(candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions,
+                   refused: Mapping[str, str] | None = None) -> Config:
+    """The configuration a version serves before it is tuned: the first of ``DEFAULT_PREFERENCE`` for the plain
+    graph in fp32 that is not refused here (see the module docstring for the evidence)."""
+    plain = [n for n in candidates if not has_fused_conv(candidates[n]) and not uses_fused_ops(candidates[n])]
+    variant = "plain" if "plain" in candidates else (sorted(plain) or sorted(candidates))[0]
+    options = [Config(variant, layout == "nhwc", "fp32", False, cuda_graph=graph and settings.cuda_graph)
+               for layout, graph in DEFAULT_PREFERENCE]
+    return next((c for c in options if c.key not in (refused or {})), options[-1])
+
+
+__all__ = ["DEFAULT_PREFERENCE", "PRECISIONS", "SPLIT_MIN_BUCKET", "Config", "configs_for", "default_config",
+           "has_fused_conv", "load_config", "splits"]

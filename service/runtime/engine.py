@@ -218,10 +218,11 @@ class OrtEngine(BucketWarming):
         return EngineError(f"inference failed on {self.provider}: {first_line(exc)}")
 
     def _run_bucket(
-        self, bucket: Bucket, parts: Sequence[Mapping[str, np.ndarray]], sizes: Sequence[int], *, locked: bool = False
+        self, bucket: Bucket, parts: Sequence[Mapping[str, np.ndarray]], sizes: Sequence[int], *, locked: bool = False,
+        options: ort.RunOptions | None = None,
     ) -> dict[str, np.ndarray]:
-        """Copy the parts' rows in, run the bucket, copy the first n rows of the batched outputs out (the others
-        whole)."""
+        """Copy the parts' rows in, run the bucket (with its own run options unless ``options``), copy the first n
+        rows of the batched outputs out (the others whole)."""
         if not locked:
             self._lock.acquire_shared()
         try:
@@ -232,7 +233,7 @@ class OrtEngine(BucketWarming):
                 self._copier.copy(bucket, parts)
             else:
                 copy_through_staging(bucket, parts, sizes)
-            self._session.run_with_iobinding(bucket.binding, bucket.run_options)
+            self._session.run_with_iobinding(bucket.binding, bucket.run_options if options is None else options)
             bucket.binding.synchronize_outputs()
             return read_outputs(bucket, n, self._batched, copy=self._io_device[0] == "cpu")
         finally:

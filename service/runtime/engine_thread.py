@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from service.runtime.contract import WarmsWhileServing
+from service.runtime.contract import TunesWhileServing, WarmsWhileServing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,6 +35,9 @@ class EngineThreads:
         self._workers = 1
         self._executor = self._new_executor(1)
         self._closed = False
+        self._warm_state = threading.Lock()
+        self._warming = False  # a warm_while_serving loop is submitted or running
+        self._warm_again = False
 
     @property
     def workers(self) -> int:
@@ -66,7 +68,20 @@ class EngineThreads:
 
     def warm_while_serving(self, engine: Any) -> None:
         """Warm ``engine``'s other buckets on its thread, one per turn, between the calls submitted meanwhile
-        (``contract.WarmsWhileServing``); a failure is logged and leaves the bucket out."""
+        (``contract.WarmsWhileServing``); a failure is logged and leaves the bucket out. An engine that has work
+        again later (``contract.TunesWhileServing``: a tuned configuration to build and prove) wakes this loop
+        again; one loop runs at a time."""
+        if isinstance(engine, TunesWhileServing):
+            engine.on_more_work(lambda: self._warm_loop(engine))
+        if isinstance(engine, WarmsWhileServing):
+            self._warm_loop(engine)
+
+    def _warm_loop(self, engine: Any) -> None:
+        with self._warm_state:
+            if self._warming:  # the running loop takes one more turn instead
+                self._warm_again = True
+                return
+            self._warming = True
 
         def step() -> None:
             try:
@@ -74,12 +89,20 @@ class EngineThreads:
             except Exception:
                 log.exception("engine %s: warming a bucket while serving failed; it stays out", self.name)
                 more = False
-            if more and not self._closed:
-                with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            with self._warm_state:
+                more, self._warm_again = more or self._warm_again, False
+                self._warming = more and not self._closed
+            if self._warming:
+                try:
                     self.submit(step)
+                except RuntimeError:  # shut down meanwhile
+                    self._warming = False
 
-        if isinstance(engine, WarmsWhileServing) and not self._closed:
+        try:
             self.submit(step)
+        except RuntimeError:
+            with self._warm_state:
+                self._warming = False
 
     def shutdown(self) -> None:
         """No new work; what was submitted still runs (the thread ends after it). Idempotent."""

@@ -101,21 +101,33 @@ def check_fp16(
     from service.runtime.engine import random_feeds
 
     rng = np.random.default_rng(seed)
-    worst, rows, agreeing, decided_bad, decided_rows = 0.0, 0, 0, 0, 0
+    pairs = []
     for _ in range(trials):
         feeds = random_feeds(engine_fp32.signature.inputs, batch, rng)
-        ref, got = engine_fp32.run(feeds), engine_fp16.run(feeds)
+        pairs.append((engine_fp32.run(feeds), engine_fp16.run(feeds)))
+    return agreement(pairs, rel_l2_tol)
+
+
+def agreement(pairs: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]], rel_l2_tol: float) -> Fp16Check:
+    """Whether each (reference, candidate) pair of outputs agrees by the module docstring's rule: the worst
+    relative L2 error under ``rel_l2_tol`` and top-1 equal on every clear-cut classifier row. Outputs of another
+    shape, or missing, disagree."""
+    worst, rows, agreeing, decided_bad, decided_rows = 0.0, 0, 0, 0, 0
+    for ref, got in pairs:
         for name, ref_out in ref.items():
-            worst = max(worst, _rel_l2(got[name], ref_out))
-            if ref_out.ndim == 2 and ref_out.shape[1] > 1:
-                n, ok, decided, bad = _top1(got[name], ref_out)
+            out = got.get(name)
+            if out is None or out.shape != ref_out.shape:
+                return Fp16Check(False, float("inf"), None, 0, f"output {name!r} has another shape")
+            worst = max(worst, _rel_l2(out, ref_out))
+            if ref_out.ndim == 2 and ref_out.shape[1] > 1 and ref_out.dtype.kind == "f":
+                n, ok, decided, bad = _top1(out, ref_out)
                 rows, agreeing = rows + n, agreeing + ok
                 decided_rows, decided_bad = decided_rows + decided, decided_bad + bad
-    agreement = agreeing / rows if rows else None
+    agreement_rate = agreeing / rows if rows else None
     if not np.isfinite(worst) or worst >= rel_l2_tol:
         ok, reason = False, f"relative L2 error {worst:.3g} >= {rel_l2_tol}"
     elif decided_bad:
         ok, reason = False, f"top-1 differs on {decided_bad} clear-cut row(s)"
     else:
         ok, reason = True, f"relative L2 error {worst:.3g} < {rel_l2_tol}"
-    return Fp16Check(ok, worst, agreement, decided_rows, reason)
+    return Fp16Check(ok, worst, agreement_rate, decided_rows, reason)

@@ -31,8 +31,11 @@ from service.runtime.contract import random_feeds
 logger = logging.getLogger("service.runtime.engine")
 
 WARMUP_RUNS = 4
-"""ORT's CUDA EP runs a graph id regularly (min_num_runs_before_cuda_graph_capture_: 1 or 2 by version) before
-it captures; the capture run also replays. 4 runs = regular, regular-or-capture, capture-or-replay, replay."""
+"""Runs with a bucket's graph id at warm-up: ORT's CUDA EP runs a graph id regularly
+(min_num_runs_before_cuda_graph_capture_: 1 or 2 by version) before it captures, and the capture run also
+replays. 4 runs = regular-or-capture, capture-or-replay, replay, replay: the last is a replay in any case."""
+UNCAPTURED = run_options(-1)
+"""Run options of a run that never captures (graph id -1): the first run of a bucket's shape."""
 
 
 class WarmBuckets:
@@ -134,14 +137,19 @@ class BucketWarming:
     def _warm_bucket(
         self: Any, bucket: Bucket, feeds: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """First run shared (it holds the slow first run of the shape), the runs that may capture exclusive."""
-        first = self._run_bucket(bucket, [feeds], [bucket.size])
+        """The plain run and the last graph run of a bucket. The first run of the shape (the slow one: cuDNN's
+        plans) runs without a graph id, so it cannot capture, under the lock's shared side; every run with the
+        graph id runs under its exclusive side, since ORT may capture at any of them: its session starts a second
+        run itself right after a regular one, and that one captures (the first run of a bucket captured beside a
+        serving thread's synchronize: CUDA 900 "operation not permitted when stream is capturing" on the H100
+        and the H200, tests/gpu/test_gpu_engine.py::test_serving_thread_while_another_engine_captures)."""
+        first = self._run_bucket(bucket, [feeds], [bucket.size], options=UNCAPTURED if self._built.cuda_graph else None)
         last = first
         if not self._built.cuda_graph:
             return first, last
         self._lock.acquire_exclusive()
         try:
-            for _ in range(WARMUP_RUNS - 1):
+            for _ in range(WARMUP_RUNS):
                 last = self._run_bucket(bucket, [feeds], [bucket.size], locked=True)
         finally:
             self._lock.release_exclusive()

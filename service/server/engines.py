@@ -21,9 +21,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +55,7 @@ def may_restart(restarts: collections.deque[float]) -> bool:
     restarts.append(now)
     return True
 KILL_AFTER_GRACE_S = 15.0
+STANDBY_START_S = 120.0
 _POLL_S = 0.2
 
 
@@ -196,6 +200,64 @@ class EngineProcesses:
             self.board.set_down(slot.index)
 
 
+class StandbyEngine:
+    """The engine process a one-process server starts only once its own CUDA context is lost (``registry.recovery``
+    moves every model there after a GPU fault), pinned to the server's device, in a private folder; started again
+    when it dies (at most ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``), stopped with the server."""
+
+    def __init__(self, settings: ServiceSettings, device: Device) -> None:
+        self.settings, self.device = settings, device
+        self.ctx = multiprocessing.get_context("spawn")  # never fork: CUDA does not survive a fork
+        self._folder: Path | None = None
+        self._address: HostAddress | None = None
+        self.process: Any = None
+        self._restarts: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
+
+    def loader(self) -> Any:
+        """A loader into the engine process, started (again) unless it runs; blocks until it listens."""
+        from service.runtime.engine_process.client import RemoteEngineLoader
+        from service.runtime.engine_process.shared_buffer import buffer_folder
+
+        with self._lock:
+            if self._address is None:
+                self._folder = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
+                self._address = engine_addresses(self._folder, 1)[0]
+            if self.process is None or not self.process.is_alive():
+                self._start(self._address)
+            return RemoteEngineLoader(self._address)
+
+    def _start(self, address: HostAddress) -> None:
+        from service.errors import EngineError
+
+        if self.process is not None:
+            log.error("the engine process (pid %d) exited with %s", self.process.pid, self.process.exitcode)
+            forget_metrics_of(self.process.pid)
+        if not may_restart(self._restarts):
+            raise EngineError(f"the engine process died {MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f} s")
+        ready = self.ctx.Event()
+        self.process = self.ctx.Process(target=engine_process_main, args=(self.settings, address, ready, self.device),
+                                        name="service-engines")
+        self.process.start()
+        log.info("engine process for %s started (pid %d): the models move there", self.device.label, self.process.pid)
+        deadline = time.monotonic() + STANDBY_START_S
+        while not ready.wait(_POLL_S):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                raise EngineError(f"the engine process did not start (exit status {self.process.exitcode})")
+
+    def stop(self) -> None:
+        """SIGTERM, then wait (kill what overstays); the private folder goes."""
+        process, self.process = self.process, None
+        if process is not None and process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+            process.join(KILL_AFTER_GRACE_S)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
 def forget_metrics_of(pid: int | None) -> None:
     """Drop a dead process's live gauges (queue depth, loaded models, devices serving) from the merged metrics."""
     if pid is None or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -215,6 +277,7 @@ def engine_process_main(settings: ServiceSettings, address: HostAddress, ready: 
     the workers first (they drain through this process), then this one.
     """
     from service.metrics import EngineProcessMetrics
+    from service.registry.tuning_records import reports_in
     from service.runtime.engine_process.host import EngineHost
 
     configure_process(settings)
@@ -223,7 +286,7 @@ def engine_process_main(settings: ServiceSettings, address: HostAddress, ready: 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     metrics = EngineProcessMetrics(device=device.label)
     host = EngineHost(address, observe=metrics.observe_call, observe_page_lock=metrics.observe_page_lock,
-                      device=device)
+                      device=device, reports_for=reports_in(settings.model_dir))
     host.start()
     log.info("engine process (pid %d) for %s listening on %s", os.getpid(), device.label, address.socket_path)
 
@@ -242,4 +305,5 @@ def engine_process_main(settings: ServiceSettings, address: HostAddress, ready: 
     sys.exit(0)
 
 
-__all__ = ["EngineProcesses", "EngineSlot", "engine_addresses", "engine_process_main", "forget_metrics_of"]
+__all__ = ["EngineProcesses", "EngineSlot", "StandbyEngine", "engine_addresses", "engine_process_main",
+           "forget_metrics_of"]

@@ -29,4 +29,4 @@ def serve(settings: ServiceSettings) -> int:
         return 1
     if settings.workers > 1 or len(devices) > 1:
         return serve_workers(settings, devices)
-    return serve_single(settings)  # the engines in this process, on the one device: no hop
+    return serve_single(settings, devices[0])  # the engines in this process, on the one device: no hop

@@ -28,6 +28,7 @@ import uvicorn
 from service.api.app import create_app
 from service.api.lifecycle import Lifecycle
 from service.grpc.server import GrpcBindError, GrpcServer
+from service.runtime.engine_process.devices import Device
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
 from service.server.http_guard import GuardedConfig
 from service.server.process import configure_process
@@ -124,10 +125,22 @@ def uvicorn_config(
     )
 
 
-def serve_single(settings: ServiceSettings) -> int:
-    """One server process with its engines in this process."""
+def serve_single(settings: ServiceSettings, device: Device | None = None) -> int:
+    """One server process with its engines in this process. On a GPU (``device``), a GPU fault moves them to an
+    engine process started then (``server.engines.StandbyEngine``, ``registry.recovery``)."""
+    from service.metrics import Metrics
+    from service.registry.manager import ModelManager
+    from service.server.engines import StandbyEngine
+
     configure_process(settings)
-    return run_server(settings, create_app(settings))
+    standby = StandbyEngine(settings, device) if device is not None and device.ordinal is not None else None
+    metrics = Metrics()
+    manager = ModelManager(settings, metrics=metrics, relocate=standby.loader if standby is not None else None)
+    try:
+        return run_server(settings, create_app(settings, manager, metrics=metrics))
+    finally:
+        if standby is not None:
+            standby.stop()
 
 
 def run_server(

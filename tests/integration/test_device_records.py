@@ -15,8 +15,8 @@ import pytest
 from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
 from service.registry.metadata import engine_key
-from service.runtime.contract import LoadedEngine, LoadRequest
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 from service.settings import ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)

@@ -23,8 +23,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
-from service.runtime.contract import LoadedEngine, LoadRequest
 from service.runtime.engine import OrtEngine
+from service.runtime.loads import LoadedEngine, LoadRequest
 from service.settings import ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)

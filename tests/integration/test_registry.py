@@ -38,8 +38,9 @@ from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
 from service.registry.sync import StoreFollower
 from service.registry.version import ModelState, ModelVersion
-from service.runtime.contract import Engine, LoadedEngine, LoadRequest
+from service.runtime.contract import Engine
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 from service.runtime.tuner import ALL_VARIANTS
 from service.settings import ServiceSettings
 

@@ -19,8 +19,8 @@ from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
 from service.registry.version import ModelState
 from service.runtime import conv_search
-from service.runtime.contract import LoadedEngine, LoadRequest
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 
 pytestmark = pytest.mark.timeout(240)
 FIELD = conv_search.FIELD

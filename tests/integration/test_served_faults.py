@@ -15,9 +15,9 @@ from service.dataplane import DataPlane
 from service.errors import EngineError
 from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
-from service.runtime.contract import LoadedEngine, LoadRequest
 from service.runtime.cuda_configs import Config
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 
 pytestmark = pytest.mark.timeout(240)
 CHOICE = Config("plain", False, "fp32", False)

@@ -23,8 +23,8 @@ from service.registry.manager import DEMO_MODEL, ModelManager
 from service.registry.metadata import engine_key
 from service.registry.store import ModelStore
 from service.registry.version import ModelState
-from service.runtime.contract import EngineLoader, LoadedEngine, LoadRequest
 from service.runtime.loading import load_in_process
+from service.runtime.loads import EngineLoader, LoadedEngine, LoadRequest
 from service.settings import ServiceSettings
 
 pytestmark = pytest.mark.timeout(240)

@@ -24,10 +24,11 @@ import numpy as np
 
 from service.errors import EngineError
 from service.runtime.batching import shape_key
-from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker, Signature
+from service.runtime.contract import PageLocker, Signature
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, Layout, layout_of
+from service.runtime.loads import LoadedEngine, LoadRequest
 
 log = logging.getLogger(__name__)
 RUN_TIMEOUT_S = 300.0

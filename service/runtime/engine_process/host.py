@@ -25,6 +25,11 @@ How:
 * A worker that dies closes its connection: its references go, and an engine nobody uses is closed.
 * With several devices there is one such process per device (``devices.Device``): every load is pinned to
   this process's device, whatever the worker asked, so one process never touches another's GPU.
+* A GPU fault (``GpuFaultError``: the engine refused the faulted configuration store-wide first,
+  ``runtime.switching``) ends this process's CUDA context: the batch gets the error, then the process exits with
+  ``GPU_FAULT_EXIT``. Its supervisor (or the one-process server it serves) starts a new one on the same socket,
+  and the workers load their versions there and run their failed batches once more (``registry.recovery``).
+* Each engine's tuning reports go to the store from here (``reports_for``; the workers send only a request).
 """
 
 from __future__ import annotations
@@ -46,13 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import EngineError
+from service.errors import EngineError, GpuFaultError
 from service.runtime.batching import group_consecutive, shape_key, split_rows
-from service.runtime.contract import Engine, LoadedEngine, LoadRequest, PageLocker, WarmsWhileServing
+from service.runtime.contract import Engine, PageLocker, TunesWhileServing, WarmsWhileServing
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, layout_of
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest, TuningReports
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,11 @@ def engine_key(request: LoadRequest) -> str:
     return json.dumps([stamps, request.options.to_dict(), request.precision], sort_keys=True)
 
 
-Loader = Callable[[LoadRequest], LoadedEngine]
+Loader = Callable[[LoadRequest, TuningReports | None], LoadedEngine]
+ReportsFor = Callable[[LoadRequest], TuningReports | None]
+"""Where the tuning of the engine a request loads reports (None: nowhere)."""
+GPU_FAULT_EXIT = 75
+"""This process's exit status after a GPU fault (its CUDA context is lost; a new process serves)."""
 BatchObserver = Callable[[str, int], None]
 """Called with (model label, samples) after every engine call of the engine process."""
 PageLockObserver = Callable[[int], None]
@@ -157,7 +167,7 @@ class HostedEngine:
 
     def __init__(
         self, key: str, request: LoadRequest, loader: Loader, *, observe: BatchObserver | None = None,
-        release: Callable[[HostedEngine], None] | None = None,
+        release: Callable[[HostedEngine], None] | None = None, reports: TuningReports | None = None,
     ) -> None:
         self.key = key
         self.label = request.label
@@ -165,6 +175,7 @@ class HostedEngine:
         self._loader = loader
         self._observe = observe
         self._release = release
+        self._reports = reports
         self._loaded: concurrent.futures.Future[LoadedEngine] = concurrent.futures.Future()
         self.refs = 0
         self._thread = threading.Thread(target=self._run, name="engine-host-run", daemon=True)
@@ -210,16 +221,23 @@ class HostedEngine:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_write, b"x")
 
+    def _more_work(self) -> None:
+        """The engine has work for its serving thread again (a tuned configuration to build and prove)."""
+        self._warming = True
+        self._wake()
+
     # ------------------------------------------------------------------ the serving thread
     def _run(self) -> None:
         """Load the engine on this thread (the one that serves it), then serve."""
         try:
-            loaded = self._loader(self._request)
+            loaded = self._loader(self._request, self._reports)
             self.engine: Engine = loaded.engine
             self.record, self.phases = loaded.record, loaded.phases
             self.merge_limit = self.engine.signature.samples_per_call(self._request.batch_limit,
                                                                       self.engine.max_batch_size)
             self._warming = isinstance(self.engine, WarmsWhileServing)
+            if isinstance(self.engine, TunesWhileServing):
+                self.engine.on_more_work(self._more_work)
         except BaseException as exc:
             self._loaded.set_exception(exc)
             os.close(self._wake_read)
@@ -279,6 +297,8 @@ class HostedEngine:
                     job.client.fail(outcome)
                 else:
                     job.client.reply(outcome, engine_s)
+            if any(isinstance(outcome, GpuFaultError) for _, outcome, _ in results):
+                exit_after_gpu_fault(self.label or self.key)
 
     def _warm_step(self) -> bool:
         """One more bucket warmed on this (the serving) thread; False once none is left or it failed."""
@@ -328,8 +348,8 @@ class HostedEngine:
             outputs = self.engine.run_parts([job.feeds for job in batch])
             parts = split_rows(outputs, [job.n for job in batch], copy=False)
         except Exception as exc:
-            if len(batch) == 1:
-                return [(batch[0], exc, 0.0)]
+            if len(batch) == 1 or isinstance(exc, GpuFaultError):  # a lost context fails them all
+                return [(job, exc, 0.0) for job in batch]
             # one bad request must not fail the others: run each alone
             return [result for job in batch for result in self._execute([job])]
         if len(batch) > 1:
@@ -344,11 +364,13 @@ class EngineHost:
     def __init__(
         self, address: HostAddress, *, loader: Loader = load_in_process, observe: BatchObserver | None = None,
         observe_page_lock: PageLockObserver | None = None, device: Device | None = None,
+        reports_for: ReportsFor | None = None,
     ) -> None:
         self.address = address
         self.device = device
         """Where every engine of this process runs (None: where each request's options say)."""
         self._loader = loader
+        self._reports_for = reports_for
         self._observe = observe
         self._observe_page_lock = observe_page_lock
         # a socket left by an engine process that was killed would refuse the bind (the folder is ours)
@@ -411,7 +433,9 @@ class EngineHost:
                 if hosted is not None:
                     hosted.refs += 1
                     return hosted
-            hosted = HostedEngine(key, request, self._loader, observe=self._observe, release=self._release)
+            reports = self._reports_for(request) if self._reports_for is not None else None
+            hosted = HostedEngine(key, request, self._loader, observe=self._observe, release=self._release,
+                                  reports=reports)
             hosted.start()  # the engine is loaded on the thread that serves it
             hosted.refs = 1
             with self._lock:
@@ -441,6 +465,8 @@ class EngineHost:
                 hosted = self._acquire(message.request)
             except Exception as exc:
                 protocol.send(conn, protocol.Failed.of(exc))
+                if isinstance(exc, GpuFaultError):
+                    exit_after_gpu_fault(message.request.label or "a load")
                 return
             locker = hosted.engine.page_locker()
             if locker is not None and self._observe_page_lock is not None:
@@ -462,10 +488,20 @@ class EngineHost:
                 conn.close()
 
 
+def exit_after_gpu_fault(label: str) -> None:
+    """This process's CUDA context is lost: exit at once (``GPU_FAULT_EXIT``), so that a new process serves."""
+    log.error("engine process: the GPU faulted serving %s; its CUDA context is lost: exiting (status %d) for a "
+              "new engine process to serve", label, GPU_FAULT_EXIT)
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(GPU_FAULT_EXIT)
+
+
 def _shut_down(conn: multiprocessing.connection.Connection) -> None:
     """End a connection both ways, so a thread blocked reading it sees the end (closing would not wake it)."""
     with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-__all__ = ["EngineHost", "HostAddress", "HostedEngine", "engine_key"]
+__all__ = ["GPU_FAULT_EXIT", "EngineHost", "HostAddress", "HostedEngine", "engine_key", "exit_after_gpu_fault"]

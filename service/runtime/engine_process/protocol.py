@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 from service import errors
 from service.errors import EngineError, ServiceError
-from service.runtime.contract import LoadRequest, Signature
+from service.runtime.contract import Signature
 from service.runtime.engine_process.shared_buffer import Layout
+from service.runtime.loads import LoadRequest
 from service.runtime.phases import LoadPhases
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import EngineError, ModelNotReadyError
-from service.runtime.contract import LoadedEngine, LoadRequest, PageLocker, stored_record
+from service.runtime.contract import PageLocker
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.client import (
     IN_FLIGHT,
@@ -45,6 +45,7 @@ from service.runtime.engine_process.client import (
 )
 from service.runtime.engine_process.devices import DeviceBoard
 from service.runtime.engine_process.host import HostAddress
+from service.runtime.loads import LoadedEngine, LoadRequest, stored_record
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.25

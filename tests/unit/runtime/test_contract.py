@@ -26,10 +26,8 @@ from service.runtime.buckets import PageLocks
 from service.runtime.contract import (
     MAX_FIXED_ELEMENTS,
     Engine,
-    EngineLoader,
     EngineOptions,
     InferenceRequest,
-    LoadRequest,
     PageLocker,
     Signature,
     TensorSpec,
@@ -39,6 +37,7 @@ from service.runtime.engine import OrtEngine
 from service.runtime.engine_process.client import RemoteEngine, RemoteEngineLoader, RemoteEnginePool
 from service.runtime.engine_process.host import EngineHost, HostAddress
 from service.runtime.loading import load_in_process
+from service.runtime.loads import EngineLoader, LoadRequest
 from service.runtime.split_engine import SplitEngine
 
 F32 = np.dtype(np.float32)

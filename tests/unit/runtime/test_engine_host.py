@@ -26,7 +26,7 @@ from builders import reference, tiny_cnn, with_row_copies
 from engine_models import GatedEngine, ThreadBoundEngine
 
 from service.errors import EngineError, InvalidInputError, QueueFullError
-from service.runtime.contract import EngineOptions, LoadedEngine, LoadRequest, Signature, TensorSpec
+from service.runtime.contract import EngineOptions, Signature, TensorSpec
 from service.runtime.engine import OrtEngine
 from service.runtime.engine_process import client as remote
 from service.runtime.engine_process import protocol
@@ -34,6 +34,7 @@ from service.runtime.engine_process.client import IN_FLIGHT, RemoteEngine, Remot
 from service.runtime.engine_process.host import EngineHost, HostAddress, engine_key
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, SharedBuffer, layout_of
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 from service.runtime.phases import LoadPhases
 
 CPU = EngineOptions(device="cpu", buckets=(1, 2, 4, 8))

@@ -21,13 +21,14 @@ import pytest
 from builders import reference, tiny_cnn
 
 from service.errors import ModelNotReadyError
-from service.runtime.contract import EngineOptions, LoadedEngine, LoadRequest, Signature, TensorSpec
+from service.runtime.contract import EngineOptions, Signature, TensorSpec
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.client import EngineGoneError
 from service.runtime.engine_process.devices import Device, DeviceBoard
 from service.runtime.engine_process.host import EngineHost, HostAddress
 from service.runtime.engine_process.spread import Lane, SpreadEngine, SpreadEngineLoader, pick_lane
 from service.runtime.loading import load_in_process
+from service.runtime.loads import LoadedEngine, LoadRequest
 
 CPU = EngineOptions(device="auto", device_id=0, buckets=(1, 2, 4, 8), tune_budget_s=0)
 
