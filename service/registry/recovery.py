@@ -112,7 +112,7 @@ class Recovery:
         old = mv.replace_engine(loaded.engine, threads)
         threads.warm_while_serving(loaded.engine)
         self._dispose(old)
-        log.info("%s serves again on %s (%s)", label, loaded.engine.variant, loaded.engine.provider)
+        log.info("%s serves again on %s (%s)", label, loaded.engine.describe().get("variant"), loaded.engine.provider)
         return True
 
     def _dispose(self, engine: Any) -> None:

@@ -5,12 +5,12 @@ every model the workers ask for (``runtime.engine_process.host``).
   (1, then +1 per restart) from the moment that process listens, and 0 while it is down or starting again.
   Workers read it (``runtime.engine_process.spread``) to stop sending to a lost device at once and to load
   their models again on a restarted one.
-* One device: its engine process holds every worker's engines, so when it dies the supervisor starts it and
-  every worker again (``Supervisor._restart_everything``), as a server of one device always has.
-* Several devices: a dead engine process is one lost device. Its slot goes to 0, its share of the live
-  metrics goes (``service_devices_serving`` drops by one), the loss is logged, and the process is started
-  again alone, at most ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` per device; beyond that the device
-  stays down while the others serve, and the server gives up (exit 1) only when no device is left.
+* A dead engine process (it exits after a GPU fault: ``runtime.engine_process.host``) is one lost device. Its
+  slot goes to 0, its share of the live metrics goes (``service_devices_serving`` drops by one), the loss is
+  logged, and the process is started again alone, on the same socket, at most ``MAX_RESTARTS`` times within
+  ``RESTART_WINDOW_S`` per device; beyond that the device stays down while the others serve, and the server
+  gives up (exit 1) only when no device is left. The workers keep running: with one device each version waits
+  for the new process and loads there (``registry.recovery``), with several its batches go to the others.
 * Device ordinals are passed to each process as its ``Device`` (the ordinal its engines are pinned to), not
   through ``CUDA_VISIBLE_DEVICES``: every process sees the same ordinals and device names, so the tuner's
   records (keyed by the GPU's name) mean the same in all of them.
@@ -143,18 +143,9 @@ class EngineProcesses:
     def sentinels(self) -> list[Any]:
         return [slot.process.sentinel for slot in self.slots if slot.process is not None]
 
-    def any_dead(self) -> bool:
-        return any(slot.process is not None and not slot.process.is_alive() for slot in self.slots)
-
-    def forget_dead(self) -> None:
-        """The dead processes' live metrics go (single device: before everything starts again)."""
-        for slot in self.slots:
-            if slot.process is not None and not slot.process.is_alive():
-                forget_metrics_of(slot.process.pid)
-
     def follow(self) -> bool:
-        """Several devices: note each lost device, start its process again (within the limits), note each
-        restarted one that listens. False once no device serves and none is starting."""
+        """Note each lost device, start its process again (within the limits), note each restarted one that
+        listens. False once no device serves and none is starting."""
         for slot in self.slots:
             if slot.process is None:
                 continue

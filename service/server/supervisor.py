@@ -35,8 +35,9 @@ How:
 * Metrics: ``PROMETHEUS_MULTIPROC_DIR`` points at a fresh folder, so ``/metrics`` from any worker covers
   all of them (``service.metrics``).
 * A worker that dies is started again (at most ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; beyond that
-  the supervisor stops everything and exits 1). An engine process that dies: with one device every worker
-  starts again with it; with several only that device is lost and its process restarted (``server.engines``).
+  the supervisor stops everything and exits 1). An engine process that dies (it exits after a GPU fault) is
+  started again alone, on the same socket (``server.engines``): the workers keep their connections and queues,
+  load their versions there and run the batches that failed once more (``registry.recovery``).
   On SIGTERM or SIGINT, every worker gets SIGTERM and drains as a single server would, then the engine
   processes stop, and the supervisor exits 0 once they are all gone.
 """
@@ -239,14 +240,9 @@ class Supervisor:
             multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
             if self.stopping:
                 break
-            if self.engines.several:
-                if not self.engines.follow():
-                    log.error("no device serves any more: giving up")
-                    return 1
-            elif self.engines.any_dead():
-                if not self._restart_everything():
-                    return 1
-                continue
+            if not self.engines.follow():
+                log.error("no device serves any more: giving up")
+                return 1
             for worker in list(self.workers.values()):
                 if self.stopping or worker.process.is_alive():
                     continue
@@ -258,23 +254,6 @@ class Supervisor:
                     return 1
                 self._start(worker.index, first_start=False)
         return 0
-
-    def _restart_everything(self) -> bool:
-        """The engine process of the one device died: every worker's engines went with it, so all start again."""
-        (slot,) = self.engines.slots
-        log.error("the engine process (pid %d) exited with %s: restarting it and every worker",
-                  slot.process.pid, slot.process.exitcode)
-        self.engines.forget_dead()
-        while True:
-            if not may_restart(self.restarts):
-                log.error("%d restarts within %.0f s: giving up", MAX_RESTARTS, RESTART_WINDOW_S)
-                return False
-            self._stop_workers()
-            self.workers.clear()
-            self.announced = False
-            self.engines.stop_all()  # what is left of it
-            if self._start_all(first_start=False) or self.stopping:
-                return True
 
     def _stop_all(self) -> None:
         """The workers (they drain and let go of their engines), then the engine processes."""

@@ -19,7 +19,8 @@ from service.runtime.child import ChildProcessFailed
 from service.runtime.cuda_configs import Config
 from service.runtime.device import CUDA, DeviceChoice
 
-FAULT_715 = "RuntimeError: CUDA failure 715: an illegal instruction was encountered (cuda_graph.cc, cudaStreamSynchronize)"
+FAULT_715 = ("RuntimeError: CUDA failure 715: an illegal instruction was encountered (cuda_graph.cc, "
+             "cudaStreamSynchronize)")
 
 
 def believe_gpu(monkeypatch: pytest.MonkeyPatch, names: Mapping[int, str] | None = None) -> None:

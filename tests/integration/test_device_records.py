@@ -29,7 +29,7 @@ class TwoModels:
     def __init__(self) -> None:
         self.requests: list[LoadRequest] = []
 
-    def __call__(self, request: LoadRequest) -> LoadedEngine:
+    def __call__(self, request: LoadRequest, reports: object = None) -> LoadedEngine:
         self.requests.append(request)
         loaded = load_in_process(request)
         return LoadedEngine(loaded.engine, {**loaded.record, "device": "GPU A"},

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from service.model_config import ModelConfig
 from service.registry.manager import ModelManager
+from service.registry.version import ModelVersion
 from service.runtime.engine import OrtEngine
 from service.runtime.loads import LoadedEngine, LoadRequest
 from service.settings import ServiceSettings
@@ -88,16 +89,16 @@ async def serve_some(manager: ModelManager, name: str) -> None:
         np.testing.assert_array_equal(result.outputs["y"], x * 2)
 
 
-async def upload(manager: ModelManager, name: str, model: bytes) -> None:
+async def upload(manager: ModelManager, name: str, model: bytes) -> ModelVersion:
     staged = manager.new_staging_file()
     staged.write_bytes(model)
-    await manager.upload(name, staged, ModelConfig())
+    return await manager.upload(name, staged, ModelConfig())
 
 
 def test_a_slow_warming_engine_is_warmed_once_served_and_closed_on_its_thread_off_the_loop(tmp_path):
     built: list[ThreadBoundEngine] = []
 
-    def loader(request: LoadRequest) -> LoadedEngine:
+    def loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         engine = ThreadBoundEngine(BUCKETS, warm_s=WARM_S)
         built.append(engine)
         return LoadedEngine(engine, {"device": "fake", "ort_version": "-", "choice": {"variant": "fused"}})
@@ -195,29 +196,86 @@ def test_load_phases_are_logged_and_reported(tmp_path, caplog):
 
 
 
-def test_the_tuners_gpu_faults_are_kept_store_wide_and_handed_to_later_loads(tmp_path):
-    """A fault the tuner reports in its record is kept in the store (by the registry, which owns the store),
-    and every later load, of this model or another, gets it back in its request (the tuner filters by GPU,
-    ORT version and graph)."""
+def test_an_engines_refusals_and_proven_record_are_kept_in_the_store(tmp_path):
+    """What an engine of this process reports (``loads.TuningReports``) reaches the store through the registry:
+    a refusal store-wide, handed to every later load of this model or another (the tuner filters by GPU, ORT
+    version, graph and library build), and a proven record as the version's engine, in memory too."""
     requests: list[LoadRequest] = []
     fault = {"device": "GPU X", "ort_version": "1.31.1", "variant": "plain", "graph_sha256": "a" * 64,
-             "config": "plain/nchw/fp32", "error": "CUDA failure 715: an illegal instruction"}
+             "config": "plain/nchw/fp32", "kind": "fault", "error": "CUDA failure 715: an illegal instruction"}
+    proven = {"device": "GPU X", "ort_version": "1.31.1", "choice": {"variant": "fused"}, "proven": True}
 
-    def loader(request: LoadRequest) -> LoadedEngine:
+    given: list = []
+
+    def loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         requests.append(request)
-        record = {"device": "GPU X", "ort_version": "1.31.1", "choice": {"variant": "fused"}}
+        given.append(reports)
         if len(requests) == 1:
-            record["faults"] = [fault]
-        return LoadedEngine(ThreadBoundEngine(BUCKETS), record)
+            reports.refused([fault])  # type: ignore[attr-defined]
+        return LoadedEngine(ThreadBoundEngine(BUCKETS), {"device": "GPU X", "ort_version": "1.31.1",
+                                                         "choice": {"variant": "plain"}})
 
-    async def main() -> None:
+    async def main() -> dict:
         manager = ModelManager(settings_for(tmp_path), engine_loader=loader)
         await manager.start()
-        await upload(manager, "first", doubler())
+        first = await upload(manager, "first", doubler())
+        await asyncio.to_thread(given[0].proven, proven)  # later, from the serving thread, once proven
+        await asyncio.sleep(0.05)  # the proven record reaches the metadata in memory on the loop
+        in_memory = first.metadata.engine
         await upload(manager, "second", doubler())
+        stored = manager.store.read_metadata("first", first.version)
         await manager.stop(1)
+        return {"memory": in_memory, "stored": stored}
 
-    asyncio.run(main())
+    seen = asyncio.run(main())
     assert requests[0].known_faults == ()
     [kept] = requests[1].known_faults
     assert {k: kept[k] for k in fault} == fault and kept["model"] == "first" and kept["seen"]
+    assert requests[0].version == 1 and requests[0].run is not None
+    assert seen["memory"]["proven"] is True and seen["memory"]["choice"] == {"variant": "fused"}
+    assert seen["stored"]["engine"]["proven"] is True
+
+
+class LaterWork:
+    """A ``TunesWhileServing`` engine: warms ``steps`` times, then has nothing until ``more`` is called (as the
+    switching engine once its tuning ends), which it announces through the wake it was given."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+        self.threads: list[int] = []
+        self.wake: Any = None
+
+    def warm_next(self) -> bool:
+        self.threads.append(threading.get_ident())
+        self.left -= 1
+        return self.left > 0
+
+    def on_more_work(self, wake: Any) -> None:
+        self.wake = wake
+
+    def more(self, steps: int) -> None:
+        self.left = steps
+        self.wake()
+
+
+def test_an_engine_with_work_later_wakes_its_warming_loop_on_its_own_thread() -> None:
+    from service.runtime.contract import TunesWhileServing
+    from service.runtime.engine_thread import EngineThreads
+
+    engine = LaterWork(3)
+    assert isinstance(engine, TunesWhileServing)
+    threads = EngineThreads("later")
+    home = threads.submit(threading.get_ident).result()
+    threads.warm_while_serving(engine)
+    deadline = time.monotonic() + 5
+    while len(engine.threads) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert len(engine.threads) == 3  # the loop ended when warm_next said so
+    threading.Thread(target=engine.more, args=(2,)).start()  # from another thread, as the tuning job does
+    deadline = time.monotonic() + 5
+    while len(engine.threads) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert len(engine.threads) == 5 and set(engine.threads) == {home}
+    threads.shutdown()

@@ -385,7 +385,7 @@ def test_a_warm_up_that_outlives_the_timeout_refuses_the_upload_naming_the_warm_
     finish, not a client timeout, and the version is removed."""
     release = threading.Event()
 
-    def stuck_loader(request: LoadRequest) -> LoadedEngine:
+    def stuck_loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         loaded = load_in_process(request)
         return LoadedEngine(HeldEngine(loaded.engine, release), loaded.record)
 

@@ -120,7 +120,7 @@ class DeviceLoader:
         self.device = device
         self.requests: list[LoadRequest] = []
 
-    def __call__(self, request: LoadRequest) -> LoadedEngine:
+    def __call__(self, request: LoadRequest, reports: object = None) -> LoadedEngine:
         self.requests.append(request)
         loaded = load_in_process(request)
         mine = {**loaded.record, "device": self.device}

@@ -848,3 +848,58 @@ def test_stop_waits_for_every_batch_in_flight():
 @pytest.mark.parametrize(("calls", "in_flight"), [(0, 1), (1, 1), (4, 4)])
 def test_batches_in_flight_follow_the_engines_concurrent_calls(calls, in_flight):
     assert make(FakeEngine(concurrent_calls=calls)).in_flight == in_flight
+
+
+# ---------------------------------------------------------------------- recovery: one more run on a replacement
+def _recovering(engine: FakeEngine, replacement: FakeEngine | None, **kw: Any) -> tuple[Batcher, list]:
+    """A batcher whose ``recover`` replaces ``engine`` by ``replacement`` (on threads of its own), or refuses."""
+    from service.runtime.engine_thread import EngineThreads
+
+    asked: list[tuple[Any, BaseException]] = []
+
+    async def recover(failed: Any, error: BaseException) -> bool:
+        asked.append((failed, error))
+        if replacement is None:
+            return False
+        if batcher._engine is failed:
+            batcher.replace(replacement, EngineThreads("replacement"))
+        return True
+
+    policy = {"max_batch_size": 8, "max_delay_s": 0.0, "queue_size": 64, "timeout_s": 5.0, "direct_max_s": 0.05, **kw}
+    batcher = Batcher(engine, BatchPolicy(**policy), name="t", recover=recover)
+    return batcher, asked
+
+
+def test_a_batch_that_failed_runs_once_more_on_the_engine_that_replaced_it():
+    from service.errors import GpuFaultError
+
+    async def main():
+        broken = FakeEngine(fail_with=GpuFaultError("the GPU faulted: CUDA failure 715"))
+        replacement = FakeEngine()
+        batcher, asked = _recovering(broken, replacement, max_delay_s=0.02)
+        batcher.start()
+        requests = [rows(i, 2) for i in range(4)]
+        results = await asyncio.gather(*(batcher.submit(r) for r in requests))
+        lone = await batcher.submit(rows(9, 1), alone=True)  # the direct path recovers the same way
+        await batcher.stop()
+        return broken, replacement, asked, requests, results, lone
+
+    broken, replacement, asked, requests, results, lone = asyncio.run(main())
+    for request, result in zip(requests, results, strict=True):
+        check_own(result, request)
+    check_own(lone, rows(9, 1))
+    assert broken.calls and asked and all(failed is broken for failed, _ in asked)
+    assert sum(len(c) for c in replacement.calls) == 9 and not replacement.threads & broken.threads
+
+
+def test_an_error_recovery_does_not_replace_reaches_the_callers_and_is_run_once():
+    async def main():
+        engine = FakeEngine(fail_with=RuntimeError("CUDA failure 2: out of memory"))
+        batcher, asked = _recovering(engine, None)
+        batcher.start()
+        outcome = await asyncio.gather(batcher.submit(rows(1, 1)), return_exceptions=True)
+        await batcher.stop()
+        return engine, asked, outcome[0]
+
+    engine, asked, outcome = asyncio.run(main())
+    assert isinstance(outcome, EngineError) and len(engine.calls) == 1 and len(asked) == 1

@@ -28,7 +28,7 @@ from service.runtime.contract import PageLocker, Signature
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, Layout, layout_of
-from service.runtime.loads import LoadedEngine, LoadRequest
+from service.runtime.loads import LoadedEngine, LoadRequest, TuningReports
 
 log = logging.getLogger(__name__)
 RUN_TIMEOUT_S = 300.0
@@ -52,7 +52,8 @@ class RemoteEngineLoader:
         self.address = address
         self.in_flight = in_flight
 
-    def __call__(self, request: LoadRequest) -> LoadedEngine:
+    def __call__(self, request: LoadRequest, reports: TuningReports | None = None) -> LoadedEngine:
+        """The engine process keeps ``reports`` of its own (``server.engines``): this one is not used."""
         engines, loaded = self.connect_all(request)
         return LoadedEngine(RemoteEnginePool(engines), loaded.record, phases=loaded.phases)
 

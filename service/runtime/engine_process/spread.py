@@ -45,7 +45,7 @@ from service.runtime.engine_process.client import (
 )
 from service.runtime.engine_process.devices import DeviceBoard
 from service.runtime.engine_process.host import HostAddress
-from service.runtime.loads import LoadedEngine, LoadRequest, stored_record
+from service.runtime.loads import LoadedEngine, LoadRequest, TuningReports, stored_record
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.25
@@ -260,7 +260,8 @@ class SpreadEngineLoader:
     def connect(self, index: int, request: LoadRequest) -> tuple[list[RemoteEngine], protocol.Loaded]:
         return self._loaders[index].connect_all(request)
 
-    def __call__(self, request: LoadRequest) -> LoadedEngine:
+    def __call__(self, request: LoadRequest, reports: TuningReports | None = None) -> LoadedEngine:
+        """The engine process keeps ``reports`` of its own (``server.engines``): this one is not used."""
         lanes = [Lane(i, device.label) for i, device in enumerate(self.board.devices)]
         first, loaded = self._load_first(request, lanes)
         shared = dataclasses.replace(request, cached_choice=loaded.record)

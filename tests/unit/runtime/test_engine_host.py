@@ -319,7 +319,7 @@ def test_a_wrong_key_is_refused(folder: Path, model_file: Path) -> None:
 def test_a_host_that_stops_during_a_load_fails_the_load(folder: Path, model_file: Path) -> None:
     holder: dict[str, EngineHost] = {}
 
-    def dying_loader(request: LoadRequest) -> LoadedEngine:
+    def dying_loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         holder["host"].close()  # ends the connection that waits for this load
         raise RuntimeError("never answered")
 
@@ -338,7 +338,7 @@ def test_a_stopped_host_fails_the_call_not_the_worker(folder: Path, model_file: 
 
 
 def _fake_loader(engine: GatedEngine) -> Any:
-    def load(request: LoadRequest) -> LoadedEngine:
+    def load(request: LoadRequest, reports: object = None) -> LoadedEngine:
         return LoadedEngine(engine, {"fake": True})
 
     return load
@@ -614,7 +614,7 @@ def test_engine_process_copies_rows_from_page_locked_worker_buffers(folder: Path
     shared buffers page-locked through its ``page_locker()``, and its answers are ONNX Runtime's."""
     hosted: list[Any] = []
 
-    def loader(request: LoadRequest) -> LoadedEngine:
+    def loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         engine = OrtEngine.load(Path(request.files["plain"]).read_bytes(), CPU, _io_binding_on_cpu=True)
         hosted.append(with_row_copies(engine))
         return LoadedEngine(engine, {"device": "cpu"})
@@ -669,7 +669,7 @@ def test_the_engine_process_loads_each_engine_on_the_thread_that_serves_it(folde
     other thread); the load's phases come back to the worker."""
     built: list[ThreadBoundEngine] = []
 
-    def loader(request: LoadRequest) -> LoadedEngine:
+    def loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
         engine = ThreadBoundEngine((1, 2, 4), warm_s=0.01)
         built.append(engine)
         phases = LoadPhases()
@@ -691,3 +691,66 @@ def test_the_engine_process_loads_each_engine_on_the_thread_that_serves_it(folde
     assert engine.warmed == [(1, home), (2, home), (4, home)]
     assert set(engine.calls) == {home} and len(engine.calls) == 4
     assert engine.closed_on == home and home != threading.get_ident()
+
+
+class _FaultingEngine(GatedEngine):
+    """Doubles ``x`` until a call holds a 7: that call meets a GPU fault (a lost CUDA context)."""
+
+    def run_parts(self, parts: Any) -> dict[str, np.ndarray]:
+        x = np.concatenate([p["x"] for p in parts])
+        if (x == 7).any():
+            from service.errors import GpuFaultError
+
+            raise GpuFaultError("the GPU faulted: CUDA failure 715: an illegal instruction was encountered")
+        self.calls.append([len(x)])
+        return {"y": x * 2}
+
+
+def test_a_gpu_fault_is_answered_then_the_engine_process_exits_for_a_new_one(
+    folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch gets the fault as a GpuFaultError (the worker's recovery runs it again elsewhere), then the
+    process exits (here: the exit is recorded), since its CUDA context is lost for every engine it holds."""
+    from service.errors import GpuFaultError
+    from service.runtime.engine_process import host as host_module
+
+    exits: list[str] = []
+    monkeypatch.setattr(host_module, "exit_after_gpu_fault", exits.append)
+    with _hosting(folder, loader=_fake_loader(_FaultingEngine())):
+        engine = _connect(folder, {"plain": model_file}, label="demo")
+        np.testing.assert_array_equal(_one(engine, {"x": np.ones((1, 4), np.float32)})["y"], 2.0)
+        assert exits == []
+        with pytest.raises(GpuFaultError, match="CUDA failure 715"):
+            engine.run_parts([{"x": np.full((1, 4), 7, np.float32)}])
+        assert _wait_for(lambda: exits == ["demo"])
+        engine.close()
+
+
+def test_a_gpu_fault_at_a_load_is_answered_then_the_engine_process_exits(
+    folder: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.errors import GpuFaultError
+    from service.runtime.engine_process import host as host_module
+
+    def faulting(request: LoadRequest, reports: object = None) -> LoadedEngine:
+        raise GpuFaultError("the GPU faulted loading demo: CUDA failure 700: an illegal memory access")
+
+    exits: list[str] = []
+    monkeypatch.setattr(host_module, "exit_after_gpu_fault", exits.append)
+    with _hosting(folder, loader=faulting), pytest.raises(GpuFaultError, match="CUDA failure 700"):
+        _connect(folder, {"plain": model_file}, label="demo")
+    assert exits == ["demo"]
+
+
+def test_each_engine_reports_where_its_request_says(folder: Path, model_file: Path) -> None:
+    """The engine process makes each load's reports from its request (workers send only the request)."""
+    given: list[tuple[str, object]] = []
+
+    def loader(request: LoadRequest, reports: object = None) -> LoadedEngine:
+        given.append((request.label, reports))
+        return LoadedEngine(GatedEngine(), {"fake": True})
+
+    with _hosting(folder, loader=loader, reports_for=lambda request: f"reports of {request.label}"):
+        engine = _connect(folder, {"plain": model_file}, label="demo")
+        engine.close()
+    assert given == [("demo", "reports of demo")]

@@ -13,8 +13,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 from engine_models import conv_relu_net
+from fake_gpu import FakeChildren
 
 from service.runtime import tuner
+from service.runtime.child import ChildProcessFailed
 from service.runtime.contract import EngineOptions
 from service.runtime.engine import OrtEngine
 from service.runtime.split_engine import SplitEngine
@@ -154,56 +156,45 @@ def test_large_batch_candidate_only_when_it_beats_the_primary_at_the_largest_buc
     assert tuner._large_batch_candidate(both, [primary, graph, other], primary, settings) == other
 
 
-def test_split_moves_only_the_buckets_where_the_large_engine_is_faster(
+def test_the_split_takes_only_the_buckets_a_child_measured_faster_and_a_record_rebuilds_it(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Timings are made up (on CPU both configurations run alike); the decision and the record are real."""
-    made_up = {("plain", 8): 1.0, ("plain", 16): 2.0, ("fused", 8): 0.99, ("fused", 16): 1.0}
-
-    def fake_time_batch(engine: OrtEngine, size: int, **_: object) -> float:
-        return made_up[(engine.variant.split("/")[0], size)]
-
-    monkeypatch.setattr(tuner, "time_batch", fake_time_batch)
-    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
-    large = Config("fused", True, "fp32", False, cuda_graph=False)
-    engine, record = tuner._split(primary, candidates, large, CPU)
-    try:
-        assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)  # 8: only 1 % faster
-        assert record["choice"] == large.to_dict() and record["buckets"] == [16]
-        assert record["timings_ms"]["16"] == {"primary": 2.0, "large": 1.0}
-        configs = [Config("plain", True, "fp32", False), large]
-        rebuilt = tuner._with_cached_split(OrtEngine.load(candidates["plain"], CPU), candidates, CPU, configs,
-                                              {"split": record})
-        assert isinstance(rebuilt, SplitEngine) and rebuilt.large_buckets == (16,)
-        rebuilt.close()
-        stale = tuner._with_cached_split(OrtEngine.load(candidates["plain"], CPU), candidates, CPU, configs[:1],
-                                            {"split": record})  # its large configuration is not allowed now
-        assert isinstance(stale, OrtEngine)
-        stale.close()
-    finally:
-        engine.close()
-    made_up[("fused", 16)] = 1.95  # nowhere 5 % faster: the large engine is closed, the primary serves alone
-    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
-    engine, record = tuner._split(primary, candidates, large, CPU)
-    assert engine is primary and record["buckets"] == []
-    engine.close()
+    made_up = {8: {"primary": 1.0, "large": 0.99}, 16: {"primary": 2.0, "large": 1.0}}
+    FakeChildren(split=lambda b: made_up[b]).install(monkeypatch)
+    primary, large = Config("plain", True, "fp32", False), Config("fused", True, "fp32", False, cuda_graph=False)
+    record = tuner._measure_split(candidates, primary, large, CPU, None)
+    assert record["choice"] == large.to_dict() and record["buckets"] == [16]  # 8: only 1 % faster
+    assert record["timings_ms"]["16"] == {"primary": 2.0, "large": 1.0}
+    with tuner.load_record(candidates, {"choice": primary.to_dict(), "split": record}, CPU) as engine:
+        assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)
+        assert engine.run({"x": batch(16)})["y"].shape == (16, 10)
+    made_up[16] = {"primary": 2.0, "large": 1.95}  # nowhere 5 % faster: the primary serves alone
+    record = tuner._measure_split(candidates, primary, large, CPU, None)
+    assert record["buckets"] == []
+    with tuner.load_record(candidates, {"choice": primary.to_dict(), "split": record}, CPU) as engine:
+        assert isinstance(engine, OrtEngine)
 
 
-def test_a_large_engine_that_fails_to_load_costs_the_split_only(
+def test_a_split_whose_child_fails_costs_the_split_only(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_load = tuner._load
+    def failing(fn, args, *, timeout_s, cancel=None):
+        raise ChildProcessFailed("RuntimeError: CUDA failure 700: an illegal memory access was encountered")
 
-    def failing_load(cands, config, settings):
-        if not config.cuda_graph:
-            raise RuntimeError("CUDA failure 700: an illegal memory access was encountered")
-        return real_load(cands, config, settings)
+    monkeypatch.setattr(tuner, "run_in_child", failing)
+    large = Config("fused", True, "fp32", False, cuda_graph=False)
+    record = tuner._measure_split(candidates, Config("plain", True, "fp32", False), large, CPU, None)
+    assert record["buckets"] == [] and "illegal memory access" in record["error"]
 
-    monkeypatch.setattr(tuner, "_load", failing_load)
-    primary = OrtEngine.load(candidates["plain"], CPU, variant="plain/nhwc/fp32")
-    engine, record = tuner._split(primary, candidates, Config("fused", True, "fp32", False, cuda_graph=False), CPU)
-    try:
-        assert engine is primary and record["buckets"] == [] and "illegal memory access" in record["error"]
-        assert engine.run({"x": batch(16)})["y"].shape == (16, 10)  # the primary still serves every bucket
-    finally:
-        engine.close()
+
+def test_the_split_child_times_both_configurations_at_every_split_bucket(
+    candidates: dict[str, onnx.ModelProto]
+) -> None:
+    """The child's body, run here on the CPU provider."""
+    options = CPU.replace(buckets=(8, 16))
+    timings = tuner._split_child(candidates["plain"].SerializeToString(), candidates["fused"].SerializeToString(),
+                                 options.to_dict(), Config("plain", None, "fp32").to_dict(),
+                                 Config("fused", None, "fp32").to_dict())
+    assert set(timings) == {"8", "16"}
+    assert all(t["primary"] > 0 and t["large"] > 0 for t in timings.values())

@@ -213,7 +213,7 @@ class RecordingLoader:
     def __init__(self) -> None:
         self.requests: list[LoadRequest] = []
 
-    def __call__(self, request: LoadRequest) -> LoadedEngine:
+    def __call__(self, request: LoadRequest, reports: object = None) -> LoadedEngine:
         self.requests.append(request)
         on_cpu = LoadRequest(request.files, request.options.replace(device="cpu"), request.precision,
                              request.cached_choice, request.batch_limit, request.label)
@@ -289,7 +289,7 @@ def test_a_device_of_another_gpu_model_keeps_its_own_record(folder: Path) -> Non
     model.write_bytes(tiny_cnn(seed=10))
 
     def named(name: str) -> Any:
-        def load(request: LoadRequest) -> LoadedEngine:
+        def load(request: LoadRequest, reports: object = None) -> LoadedEngine:
             loaded = load_in_process(request)
             cached = request.cached_choice
             if cached is not None and cached.get("device") == name:  # the tuner's rule: same GPU model, reuse
