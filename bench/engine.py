@@ -48,6 +48,7 @@ import dataclasses
 import datetime as dt
 import faulthandler
 import io
+import json
 import logging
 import multiprocessing
 import os
@@ -405,7 +406,7 @@ def setup_ort(spec: dict[str, Any]) -> WorkerState:
         export, candidates = load_graphs(spec["files"][name])
         session = ort_default_session(export, spec["cuda"])
         state.runners += [ort_default_runner(session, name, b, spec["cuda"]) for b in spec["batches"]]
-        engine, record = tuned_engine(name, candidates, settings, "fp32", spec["tune_budget_s"])
+        engine, record = tuned_engine(name, candidates, settings, "fp32", spec)
         state.runners += ours_runners(engine, name, spec["batches"], "fp32")
         state.meta["autotune"][name] = {"fp32": record}
     state.meta["settings"] = {"ort_version": ort.__version__, "ort_worker_imported_torch": "torch" in sys.modules}
@@ -426,7 +427,7 @@ def setup_auto(spec: dict[str, Any]) -> WorkerState:
 def _setup_tuned(spec: dict[str, Any], precision: str) -> WorkerState:
     name = spec["models"][0]
     _export, candidates = load_graphs(spec["files"][name])
-    engine, record = tuned_engine(name, candidates, _ort_settings(spec), precision, spec["tune_budget_s"])
+    engine, record = tuned_engine(name, candidates, _ort_settings(spec), precision, spec)
     state = WorkerState([], meta={"autotune": {name: {precision: record}}})
     if precision == "fp16" and engine.describe()["precision"] != "fp16":  # refused by its check, or untimed
         state.meta["skipped"] = [f"ours_fp16 {name}: served {engine.variant} instead ({record.get('reason')}; "
@@ -438,15 +439,53 @@ def _setup_tuned(spec: dict[str, Any], precision: str) -> WorkerState:
 
 
 def tuned_engine(name: str, candidates: dict[str, Any], settings: Any, precision: str,
-                 budget_s: float) -> tuple[Any, dict[str, Any]]:
-    """select_variant tunes in a child process of its own and returns only the winner, loaded and warm."""
-    from service.runtime.tuner import select_variant
+                 spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """What a server serves once it has served a while: the first engine (``tuner.serve_first``), tuned in
+    children and switched to the winner only once proven here (``runtime.switching``), every step run now. A
+    configuration refused on the way goes to ``spec["refusals_path"]``: a worker lost to a GPU fault is started
+    again with those refusals known (``start_tuned``), as a server's recovery would."""
+    from service.runtime.switching import SwitchingEngine
+    from service.runtime.tuner import serve_first
 
     started = time.monotonic()
-    engine, record = select_variant(candidates, settings, precision=precision, budget_s=budget_s)
+    first = serve_first(candidates, settings.replace(tune_budget_s=spec["tune_budget_s"]), precision=precision,
+                        known_faults=tuple(spec.get("known_faults") or ()))
+    engine: Any = first.engine
+    if first.identity is not None:
+        engine = SwitchingEngine(first.engine, first.record, candidates=candidates, identity=first.identity,
+                                 plan=first.plan, reports=FileReports(spec.get("refusals_path")), label=name)
+        engine.settle(spec["tune_budget_s"] + SETUP_GRACE_S)
+        if engine.lost:
+            raise RuntimeError(f"the GPU faulted: {engine.lost}")
+    record = dict(getattr(engine, "record", first.record))
     record["select_s"] = round(time.monotonic() - started, 2)
     progress(f"ours_{precision} {name}: {engine.variant} ({record.get('reason')}) timings {record.get('timings_ms')}")
     return engine, record
+
+
+class FileReports:
+    """A worker's refusals, appended to a file as they come (the worker may die right after one)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def proven(self, record: dict[str, Any]) -> None:
+        pass
+
+    def refused(self, entries: list[dict[str, Any]]) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as out:
+            for entry in entries:
+                out.write(json.dumps(entry) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def read_refusals(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def ours_runners(engine: Any, name: str, batches: list[int], precision: str) -> list[Runner]:
@@ -1045,8 +1084,8 @@ def start_quiet_workers(run: Run, args: argparse.Namespace, names: list[str],
     if not files or run.deadline.left() < args.tune_budget_s + args.measure_reserve_s:
         run.payload["skipped"].append("ort_default, ours_*: " + ("deadline" if files else "no graphs"))
         return
-    run.start("ort", setup_ort, worker_spec(args, "ort", list(files), files))
-    run.wait_ready("ort", min(len(files) * tune_s, run.deadline.left()))
+    start_tuned(run, "ort", setup_ort, worker_spec(args, "ort", list(files), files),
+                lambda: min(len(files) * tune_s, run.deadline.left()))
     setups = {"fp16": setup_fp16, "auto": setup_auto}
     for precision in TUNED_PRECISIONS:
         if args.mode != "gpu" or precision not in args.precisions.split(","):
@@ -1058,8 +1097,26 @@ def start_quiet_workers(run: Run, args: argparse.Namespace, names: list[str],
                 run.payload["skipped"].append(f"ours_{precision} {name}: deadline")
                 continue
             worker = f"{precision}-{name}"
-            run.start(worker, setups[precision], worker_spec(args, worker, [name], files))
-            run.wait_ready(worker, min(tune_s, run.deadline.left()))
+            start_tuned(run, worker, setups[precision], worker_spec(args, worker, [name], files),
+                        lambda: min(tune_s, run.deadline.left()))
+
+
+def start_tuned(run: Run, name: str, setup: Callable[[dict[str, Any]], WorkerState], spec: dict[str, Any],
+                timeout_s: Callable[[], float]) -> None:
+    """A worker of ours: when its setup dies after refusing a configuration (a GPU fault ends its CUDA context),
+    it starts once more with the refusals known, as a server's recovery loads the version in a new process."""
+    refusals = run.log_dir / f"{name}-refusals.jsonl"
+    refusals.unlink(missing_ok=True)
+    spec = {**spec, "refusals_path": str(refusals)}
+    run.start(name, setup, spec)
+    if run.wait_ready(name, timeout_s()) or not read_refusals(refusals) or name not in run.payload["errors"]:
+        return
+    known = read_refusals(refusals)
+    error = run.payload["errors"].pop(name)
+    run.payload.setdefault("recovered", {})[name] = {"error": error, "refused": [e.get("config") for e in known]}
+    progress(f"worker {name} lost to a GPU fault: started again with {len(known)} refusal(s) known")
+    run.start(name, setup, {**spec, "known_faults": known})
+    run.wait_ready(name, timeout_s())
 
 
 def orchestrate(args: argparse.Namespace, head: dict[str, Any]) -> int:

@@ -802,16 +802,16 @@ def served_model(model_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
 
 
 def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
-    """The engine exactly as the server built it: same candidate graphs, config and tuner choice.
+    """The engine exactly as the server serves it now: same candidate graphs, config and engine record.
 
-    The registry gives ``select_variant`` the stored variants and its stored record; on the same GPU and
-    ORT version the record is reused, so no re-tuning and the same variant is timed here.
-    """
+    ``tuner.serve_first`` gets the stored variants and the stored record: a record proven on this GPU and ORT
+    version is built untimed, as a restarted server builds it; otherwise the default configuration (what the
+    server serves until its tuning switched)."""
     from service.model_config import ModelConfig
     from service.optimizer.io import load_model_file
-    from service.registry.manager import engine_options
+    from service.registry.version_engines import engine_options
     from service.runtime.contract import WarmsWhileServing
-    from service.runtime.tuner import select_variant
+    from service.runtime.tuner import serve_first
     from service.settings import ServiceSettings
 
     version, meta = served_model(model_dir, name)
@@ -819,12 +819,9 @@ def load_served_engine(model_dir: Path, name: str, device: str) -> Any:
     candidates = {key: load_model_file(version / entry["file"]) for key, entry in variants.items()}
     settings = ServiceSettings(device=device)
     effective = ModelConfig.from_dict(meta.get("config")).effective(settings)
-    engine, record = select_variant(
-        candidates,
-        engine_options(settings, effective),
-        precision=effective.precision,
-        cached_choice=meta.get("engine"),
-    )
+    first = serve_first(candidates, engine_options(settings, effective), precision=effective.precision,
+                        cached_records=(meta.get("engine"),))
+    engine, record = first.engine, first.record
     print(f"  engine variant {engine.variant} ({record.get('reason')}), version {version.name}", flush=True)
     while isinstance(engine, WarmsWhileServing) and engine.warm_next():  # every bucket, as a server that has
         pass  # served a while has them (runtime.warming), on the calling thread, which then serves

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -229,6 +230,18 @@ class SwitchingEngine:
     # ------------------------------------------------------------------ work between batches
     def on_more_work(self, wake: Callable[[], None]) -> None:
         self._wake = wake
+
+    def settle(self, timeout_s: float) -> None:
+        """Every step on the calling thread, waiting for the tuning between, until nothing is left or
+        ``timeout_s`` passed: what a server that served a while has (benchmarks time that)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.warm_next():
+                continue
+            if self._job is None or not self._job.started:
+                return
+            if not self._job.done():
+                time.sleep(0.05)
 
     def warm_next(self) -> bool:
         """One step on the serving thread (True while more are ready): the served engine's next bucket, then the

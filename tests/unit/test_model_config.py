@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.model_config import ModelConfig
-from service.registry.manager import engine_options
+from service.registry.version_engines import engine_options
 from service.settings import MAX_BUCKETS, ServiceSettings
 
 
