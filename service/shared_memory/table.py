@@ -4,8 +4,11 @@ Semantics are Triton's, so tritonclient's helpers and examples work unchanged: a
 (again only after unregistering it); unregistering a name that is not registered, or an empty name (every
 region of that kind), succeeds; a status of an unknown name is a 404. Unregistering a region that requests
 are using takes it away at once for new requests (a 400 that names it) and closes it when the last of those
-requests is answered, so an in-flight request never reads unmapped memory (a region that another worker
-unregistered closes here at the next request that names it).
+requests is answered, so an in-flight request never reads a closed region (a region that another worker
+unregistered closes here at the next request that names it). A region opened here joins the table only under
+the table's lock and only while its record is still the one it was opened for; ``unregister`` removes the
+record before it retires the open region under that lock: whatever the interleaving, no region stays open here
+past its record's unregistering in this process.
 
 Limits per server (all workers together): ``MAX_REGIONS`` regions and ``SERVICE_SHARED_MEMORY_MB`` MiB of
 registered bytes; 0 MiB turns both extensions off.
@@ -43,7 +46,8 @@ class _Open:
     """A region open in this process: the record identity it was opened for and its leases."""
 
     region: Region
-    stamp: Stamp
+    stamp: Stamp | None
+    """The identity of the record it was opened for; None: none (unregistered before it could join)."""
     users: int = 0
     retired: bool = False  # unregistered (or registered again): closed once its last lease goes
 
@@ -161,12 +165,9 @@ class SharedMemory:
                 region.close()
                 raise ConflictError(f"shared memory region {record.name!r} is already registered")
         found = self.records.read(record.name)
+        entry = _Open(region, found[1] if found is not None and found[0] == record else None)
         with self._lock:
-            self._retire(record.name)
-            entry = _Open(region, found[1] if found is not None else (0, 0))
-            self._open[record.name] = entry
-            if found is None or found[0] != record:  # unregistered meanwhile
-                self._retire(record.name)
+            self._publish(record.name, entry)
 
     def _open_region(self, name: str) -> Region:
         """Open the registered region ``name`` here, leased once."""
@@ -175,11 +176,19 @@ class SharedMemory:
             raise BadRequestError(f"unable to find shared memory region: {printable(name)!r}")
         record, stamp = found
         region = self._opened(record)
-        entry = _Open(region, stamp, users=1)
         with self._lock:
-            self._retire(name)
-            self._open[name] = entry
+            self._publish(name, _Open(region, stamp, users=1))
         return region
+
+    def _publish(self, name: str, entry: _Open) -> None:
+        """(lock held) ``entry`` becomes ``name``'s open region in place of the one before, and is retired at
+        once unless ``name``'s record is still the one it was opened for (an ``unregister`` or another register
+        came between reading the record and this lock)."""
+        self._retire(name)
+        self._open[name] = entry
+        current = self.records.stamp(name)
+        if current is None or current != entry.stamp:
+            self._retire(name)
 
     def _opened(self, record: RegionRecord) -> Region:
         """The region of ``record`` opened in this process (CUDA calls for a CUDA one)."""
@@ -211,7 +220,7 @@ class SharedMemory:
                     return
 
     def _close_if_unused(self, entry: _Open) -> None:
-        """(lock held) Close a retired region nobody uses: a system region at once (an unmap), a CUDA one on
+        """(lock held) Close a retired region nobody uses: a system region at once (its file), a CUDA one on
         the closer thread (a CUDA call may wait for a graph capture; the caller may be the event loop)."""
         if entry.users > 0:
             return
@@ -253,7 +262,11 @@ def _name(name: object) -> str:
     return name
 
 
+MAX_SIZE = (1 << 62) - 1
+"""Largest offset and byte size: their sum stays a file offset (a signed 64-bit off_t)."""
+
+
 def _size(value: object, what: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 1 << 62:
-        raise BadRequestError(f"{what} must be an integer of at least {least}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_SIZE:
+        raise BadRequestError(f"{what} must be an integer from {least} to 2^62 - 1 ({MAX_SIZE})")
     return value

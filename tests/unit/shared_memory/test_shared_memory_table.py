@@ -112,11 +112,12 @@ def test_register_refuses_a_file_that_cannot_hold_the_region(tmp_path: Path, shm
     assert memory.status("system") == []  # nothing recorded
 
 
-@pytest.mark.parametrize(("offset", "byte_size"), [(0, 0), (-1, 8), (0, True), (0, "8"), (0.0, 8)])
+@pytest.mark.parametrize(("offset", "byte_size"), [(0, 0), (-1, 8), (0, True), (0, "8"), (0.0, 8), (2**62, 8),
+                                                  (0, 2**62)])
 def test_register_refuses_sizes_that_are_no_proper_integers(tmp_path: Path, shm: Path, offset: object,
                                                             byte_size: object) -> None:
     memory = _memory(tmp_path, shm)
-    with pytest.raises(BadRequestError, match="must be an integer of at least"):
+    with pytest.raises(BadRequestError, match=r"must be an integer from [01] to 2\^62 - 1"):
         memory.register_system("r", "a", offset, byte_size)
 
 
@@ -173,15 +174,13 @@ def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: 
     region = memory.lease("r")
     assert memory.lease("r") is region  # the same open region, two leases
     memory.release(region)
-    view = region.read(4, np.dtype(np.int32), (3,))
     memory.unregister("system", "r")
     with pytest.raises(BadRequestError, match="unable to find shared memory region: 'r'"):
         memory.lease("r")
-    assert not region._map.closed
-    assert view.tolist() == [1, 2, 3]  # still mapped for the request that has it
-    del view
+    assert not region.closed
+    assert region.read(4, np.dtype(np.int32), (3,)).tolist() == [1, 2, 3]  # still open for the request that has it
     memory.release(region)  # the last lease of a retired region closes it
-    assert region._map.closed
+    assert region.closed
     assert memory._retiring == [] and memory._open == {}
 
 
@@ -192,7 +191,7 @@ def test_close_closes_every_region_and_removes_a_private_folder(shm: Path) -> No
     region = memory.lease("r")
     folder = memory.records.folder
     memory.close()
-    assert region._map.closed
+    assert region.closed
     assert not folder.exists()
 
 
@@ -215,7 +214,7 @@ def test_two_workers_sharing_the_records_see_each_others_changes(tmp_path: Path,
     new = second.lease("r")
     assert new is not old and new.record.key == "two"
     assert bytes(new.read(0, np.dtype(np.uint8), (8,))) == b"22222222"
-    assert old._map.closed  # the lease that found 'r' gone retired the old region, which nobody used
+    assert old.closed  # the lease that found 'r' gone retired the old region, which nobody used
 
 
 def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: Path, shm: Path) -> None:
@@ -229,9 +228,9 @@ def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: 
     new = second.lease("r")
     assert new is not old
     assert bytes(new.read(0, np.dtype(np.uint8), (8,))) == b"22222222"
-    assert not old._map.closed  # still leased by the request that had it
+    assert not old.closed  # still leased by the request that had it
     second.release(old)
-    assert old._map.closed
+    assert old.closed
 
 
 def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path: Path, shm: Path) -> None:
@@ -267,3 +266,50 @@ def test_a_cuda_handle_that_does_not_open_or_a_device_that_cannot_be_used_is_a_c
     with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: device 0 cannot be used"):
         _memory(tmp_path, shm, cuda=NoDevice).register_cuda("gpu", bytes(64), 0, 64)
     assert _memory(tmp_path, shm).status("cuda") == []  # nothing was recorded
+
+
+def _unregistering_after_a_read(memory: SharedMemory, name: str) -> None:
+    """The next read of ``name``'s record by the table is followed at once by an unregister of ``name`` (a client
+    that unregisters while a request or a register call is opening the region)."""
+    read = memory.records.read
+
+    def read_then_unregister(wanted: str) -> Any:
+        found = read(wanted)
+        if wanted == name:
+            memory.records.read = read  # type: ignore[method-assign]
+            memory.unregister("system", name)
+        return found
+
+    memory.records.read = read_then_unregister  # type: ignore[method-assign]
+
+
+def test_a_region_unregistered_while_a_request_opens_it_closes_with_that_request(tmp_path: Path, shm: Path) -> None:
+    region_file(shm, "a", 16, bytes(range(16)))
+    memory = _memory(tmp_path, shm)
+    memory.register_system("r", "a", 0, 16)
+    memory._retire("r")  # as in another worker: the first request opens the region
+    _unregistering_after_a_read(memory, "r")
+    region = memory.lease("r")  # the record was read, then unregistered before the region joined the table
+    assert region.read(0, np.dtype(np.uint8), (2,)).tolist() == [0, 1]  # the request that named it is served
+    memory.release(region)
+    assert region.closed, "the region stayed open after its record was unregistered and its last lease ended"
+    assert memory._open == {} and memory._retiring == []
+
+
+def test_a_region_unregistered_while_it_is_registered_closes_at_once(tmp_path: Path, shm: Path) -> None:
+    region_file(shm, "a", 16)
+    memory = _memory(tmp_path, shm)
+    opened: list[Any] = []
+    real = memory._opened
+
+    def opening(record: Any) -> Any:
+        opened.append(real(record))
+        return opened[-1]
+
+    memory._opened = opening  # type: ignore[method-assign]
+    _unregistering_after_a_read(memory, "r")
+    memory.register_system("r", "a", 0, 16)  # recorded, read back, then unregistered before it joined the table
+    assert memory.status("system") == []
+    assert len(opened) == 1 and opened[0].closed
+    assert memory._open == {} and memory._retiring == []
+
