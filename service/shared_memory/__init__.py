@@ -10,5 +10,7 @@ from the region, an output's written into it, and the request itself carries onl
   bounds.
 * ``table``: this process's regions: register, unregister, status, limits, and the leases that keep a region
   open while a request uses it.
+* ``callers``: who may register, unregister and list regions (a client on this host, unless the operator
+  opts in).
 * ``tensors``: one request's inputs read from and outputs written to regions, every bound checked.
 """

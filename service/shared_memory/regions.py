@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from service.errors import BadRequestError, NotSupportedError, printable
-from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime
+from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime, visible_cuda_devices
 from service.runtime.device_rows import DeviceRows
 from service.shared_memory.records import RegionRecord
 
@@ -146,6 +146,15 @@ class SystemRegion:
                                   f"failed: {exc.strerror}") from None
 
 
+def cuda_unavailable(detail: str) -> NotSupportedError:
+    """CUDA shared memory cannot be used in this process: said plainly as "no GPU" where the driver sees none (a
+    CUDA runtime without one talks of driver versions), ``detail`` after it."""
+    count, reason = visible_cuda_devices()
+    if count == 0:
+        return NotSupportedError(f"CUDA shared memory needs a GPU: this server has no GPU ({reason}; {detail})")
+    return NotSupportedError(f"CUDA shared memory is not available: {detail}")
+
+
 def ipc_handle(raw: object) -> bytes:
     """A ``cudaIpcMemHandle_t`` as the client sent it (bytes, or base64 text on REST)."""
     if isinstance(raw, str):
@@ -194,8 +203,7 @@ class CudaRegion:
                     raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: the "
                                           f"handle does not open on device {record.device_id} ({exc})") from None
         except CudaError as exc:  # the device itself cannot be used here
-            raise NotSupportedError(f"CUDA shared memory is not available: device {record.device_id} cannot be used "
-                                    f"here ({exc})") from None
+            raise cuda_unavailable(f"device {record.device_id} cannot be used here ({exc})") from None
         size = _allocation_size(self.address)
         if size is not None and record.byte_size > size:
             self.close()

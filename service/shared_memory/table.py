@@ -11,7 +11,8 @@ record before it retires the open region under that lock: whatever the interleav
 past its record's unregistering in this process.
 
 Limits per server (all workers together): ``MAX_REGIONS`` regions and ``SERVICE_SHARED_MEMORY_MB`` MiB of
-registered bytes; 0 MiB turns both extensions off.
+registered bytes; 0 MiB turns both extensions off. Who may make the calls: ``check_caller`` (``callers``), which
+the protocol layers call first.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from typing import Any
 
 from service.errors import BadRequestError, ConflictError, NotFoundError, NotSupportedError, printable
 from service.runtime.device import CudaRuntime
+from service.shared_memory.callers import check_caller
 from service.shared_memory.records import RecordFolder, RegionRecord, Stamp
-from service.shared_memory.regions import SHM_FOLDER, CudaRegion, Region, SystemRegion, check_key, ipc_handle
+from service.shared_memory.regions import (
+    SHM_FOLDER,
+    CudaRegion,
+    Region,
+    SystemRegion,
+    check_key,
+    cuda_unavailable,
+    ipc_handle,
+)
 
 MAX_REGIONS = 64
 """Regions registered at once on one server (every kind, every worker)."""
@@ -56,12 +66,14 @@ class SharedMemory:
     """The regions one server process can serve from (see the module docstring)."""
 
     def __init__(self, max_mb: int, folder: Path | None = None, *, cuda: CudaSource | None = None,
-                 cuda_refusal: str = "", shm_folder: Path = SHM_FOLDER) -> None:
+                 cuda_refusal: str = "", shm_folder: Path = SHM_FOLDER, remote: bool = False) -> None:
         self.max_bytes = max_mb << 20
+        self.remote = remote
+        """Register, unregister and status calls from any client, not only from this host's."""
         self.records = RecordFolder(folder)
         self._private = folder is None
         self._cuda = cuda
-        self._cuda_refusal = cuda_refusal or "this server has no GPU"
+        self._cuda_refusal = cuda_refusal or "no CUDA runtime loads in this process"
         self._shm_folder = shm_folder
         self._open: dict[str, _Open] = {}
         self._retiring: list[_Open] = []
@@ -73,6 +85,13 @@ class SharedMemory:
         return self.max_bytes > 0
 
     # ------------------------------------------------------------------ the extension's calls
+    def check_caller(self, kind: str, peer: str | None) -> None:
+        """Before a register, unregister or status call of ``kind`` from ``peer`` (an IP address as text; None:
+        a Unix socket): refused when the extension is off, or when the peer is not on this host and
+        ``remote`` is off (``callers``)."""
+        self._check_enabled(kind)
+        check_caller(peer, self.remote)
+
     def register_system(self, name: str, key: object, offset: object, byte_size: object) -> None:
         record = RegionRecord(_name(name), "system", _size(byte_size, "byte_size", 1), key=check_key(key),
                               offset=_size(offset, "offset", 0))
@@ -199,7 +218,7 @@ class SharedMemory:
     def _cuda_runtime(self) -> CudaRuntime:
         runtime = self._cuda() if self._cuda is not None else None
         if runtime is None:
-            raise NotSupportedError(f"CUDA shared memory is not available: {self._cuda_refusal}")
+            raise cuda_unavailable(self._cuda_refusal)
         return runtime
 
     def _retire(self, name: str) -> None:

@@ -3,6 +3,7 @@ an unregistered region open until the requests using it are answered (several wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,14 +158,56 @@ def test_max_mb_0_turns_every_call_off(tmp_path: Path, shm: Path) -> None:
             call()
 
 
-def test_cuda_register_without_cuda_is_not_supported_with_the_reason(tmp_path: Path, shm: Path) -> None:
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """gpus(n): the driver sees n GPUs (0: none, and says why) for the refusals of CUDA shared memory."""
+    from service.shared_memory import regions
+
+    def see(count: int) -> None:
+        monkeypatch.setattr(regions, "visible_cuda_devices", lambda: (count, "no NVIDIA driver (libcuda.so.1 not "
+                                                                              "found)" if count == 0 else "found"))
+
+    return see
+
+
+def test_cuda_register_without_cuda_is_not_supported_with_the_reason(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    gpus(1)
     memory = _memory(tmp_path, shm, cuda_refusal="the engines run elsewhere")
     with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: the engines run elsewhere"):
         memory.register_cuda("g", bytes(64), 0, 8)
     default = SharedMemory(1, tmp_path / "other", cuda=lambda: None, shm_folder=shm)
-    with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: this server has no GPU"):
+    with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: no CUDA runtime loads"):
         default.register_cuda("g", bytes(64), 0, 8)
     assert memory.status("cuda") == []
+
+
+def test_cuda_register_on_a_host_without_a_gpu_says_so_plainly(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    """A CUDA runtime on a host without a GPU fails of "driver version is insufficient": the refusal says first
+    that there is no GPU, the details after it."""
+    from service.runtime.device import CudaError
+
+    class NoDriver(_FakeCuda):
+        def __init__(self) -> None:
+            super().__init__()
+
+            def set_device(device_id: int) -> None:
+                raise CudaError("cudaSetDevice failed: CUDA driver version is insufficient for CUDA runtime version "
+                                "(35)")
+
+            self.set_device = set_device
+
+    gpus(0)
+    want = r"^CUDA shared memory needs a GPU: this server has no GPU \(no NVIDIA driver \(libcuda.so.1 not found\); "
+    with pytest.raises(NotSupportedError, match=want + r"device 0 cannot be used here \(cudaSetDevice failed: CUDA "
+                                                       r"driver version is insufficient"):
+        _memory(tmp_path, shm, cuda=NoDriver).register_cuda("gpu", bytes(64), 0, 64)
+    with pytest.raises(NotSupportedError, match=want + "no CUDA runtime loads in this process"):
+        _memory(tmp_path, shm, cuda=lambda: None).register_cuda("gpu", bytes(64), 0, 64)
+    with pytest.raises(NotSupportedError, match=want + "the engines run elsewhere"):
+        _memory(tmp_path, shm, cuda_refusal="the engines run elsewhere").register_cuda("gpu", bytes(64), 0, 64)
+    assert _memory(tmp_path, shm).status("cuda") == []
 
 
 def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: Path, shm: Path) -> None:
@@ -233,7 +276,9 @@ def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: 
     assert old.closed
 
 
-def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path: Path, shm: Path) -> None:
+def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    gpus(1)
     runtime = _FakeCuda()
     engines, worker = _memory(tmp_path, shm, cuda=lambda: runtime), _memory(tmp_path, shm, cuda_refusal="no GPU here")
     engines.register_cuda("g", bytes(range(64)), 0, 256)
@@ -245,8 +290,10 @@ def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path:
 
 
 def test_a_cuda_handle_that_does_not_open_or_a_device_that_cannot_be_used_is_a_clear_refusal(
-        tmp_path: Path, shm: Path) -> None:
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
     from service.runtime.device import CudaError
+
+    gpus(1)
 
     class Refusing(_FakeCuda):
         def open_ipc(self, handle: bytes) -> int:
