@@ -206,7 +206,9 @@ class DataPlane:
     def __init__(self, manager: ModelManager, metrics: Metrics | None = None, *,
                  shared_memory: SharedMemory | None = None) -> None:
         self.manager = manager
-        self.shared_memory = shared_memory or SharedMemory(manager.settings.shared_memory_mb, cuda=cuda_runtime)
+        settings = manager.settings
+        self.shared_memory = shared_memory or SharedMemory(settings.shared_memory_mb, cuda=cuda_runtime,
+                                                           remote=settings.shared_memory_remote)
         """The shared-memory regions this process serves from (``service.shared_memory``)."""
         self.metrics = metrics
         self.repository = Repository(manager)

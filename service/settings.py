@@ -157,6 +157,12 @@ class ServiceSettings(BaseSettings):
         None, **_advanced("A read-only folder of .onnx files (e.g. KServe's /mnt/models): each file is imported into "
                           "the store at startup as a model named after it, unless that file is already stored.")
     )
+    shared_memory_remote: bool = Field(
+        False, **_advanced("Take the shared-memory register, unregister and status calls from clients on other "
+                           "addresses than loopback too (off: they get 403): for a client that shares /dev/shm but "
+                           "connects through a network address, e.g. another container with --ipc=container:NAME. "
+                           "Any client that reaches the ports can then list, unregister and register regions.")
+    )
 
     @field_validator("grpc_port", mode="before")
     @classmethod

@@ -177,8 +177,9 @@ class SystemRegionRequest(BaseModel):
 
     key: str = Field(description="The shm_open name of the client's region, e.g. '/input_data' (a file directly in "
                      "/dev/shm, owned by the server's user, writable by nobody else).", max_length=256)
-    offset: int = Field(0, ge=0, description="Where the region starts in that object, in bytes.")
-    byte_size: int = Field(ge=1, description="The region's size in bytes.")
+    offset: StrictInt = Field(0, ge=0, description="Where the region starts in that object, in bytes (a JSON "
+                              "integer).")
+    byte_size: StrictInt = Field(ge=1, description="The region's size in bytes (a JSON integer).")
 
 
 class RawHandle(BaseModel):
@@ -189,8 +190,8 @@ class CudaRegionRequest(BaseModel):
     """``POST /v2/cudasharedmemory/region/{name}/register`` body (tritonclient's ``register_cuda_shared_memory``)."""
 
     raw_handle: RawHandle
-    device_id: int = Field(ge=0, description="The GPU that holds the memory.")
-    byte_size: int = Field(ge=1, description="The region's size in bytes.")
+    device_id: StrictInt = Field(ge=0, description="The GPU that holds the memory (a JSON integer).")
+    byte_size: StrictInt = Field(ge=1, description="The region's size in bytes (a JSON integer).")
 
 
 BODY_MODELS: tuple[type[BaseModel], ...] = (PredictRequest, PredictImagesRequest, InferRequest, RepositoryIndexRequest,

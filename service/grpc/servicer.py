@@ -12,8 +12,9 @@ statistics and error texts, mapped to gRPC status codes (``errors``). Specifics 
   answers by ``id``. When the client cancels or the call ends, every request still queued is cancelled, which
   frees its place in the batching queue.
 * A cancelled unary call cancels its handler, and so its place in the batching queue, the same way.
-* The shared-memory RPCs are REST's routes (``api.shm``) call for call; trace and logging answer UNIMPLEMENTED
-  with REST's "not supported" text.
+* The shared-memory RPCs are REST's routes (``api.shm``) call for call, the caller's address from
+  ``context.peer()`` (``ipv4:``, ``ipv6:`` or ``unix:``); trace and logging answer UNIMPLEMENTED with REST's
+  "not supported" text.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -29,6 +31,7 @@ import grpc
 from service.dataplane import DataPlane, classified, not_supported
 from service.errors import ModelNotReadyError, NotFoundError, ServiceError
 from service.image_requests import image_input_name
+from service.shared_memory.table import SharedMemory
 
 from . import codecs
 from .errors import abort, message_of
@@ -60,11 +63,22 @@ def _unsupported(extension: str) -> Handler:
     return rpc
 
 
+def peer_address(peer: str) -> str | None:
+    """The IP address in gRPC's ``context.peer()`` (``ipv4:127.0.0.1:5000``, ``ipv6:%5B::1%5D:5000``); None for a
+    Unix socket (``unix:...``); anything else as it came (no address: refused where an address is asked for)."""
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return None
+    if scheme in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    return peer
+
+
 def _region_status(kind: str, response: Any) -> Handler:
     """Triton's ``{System,Cuda}SharedMemoryStatus``: the dataplane's regions of ``kind`` as its map."""
 
     async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        regions = self.dataplane.shared_memory.status(kind, request.name)
+        regions = self.regions(context, kind).status(kind, request.name)
         return response(regions={r["name"]: response.RegionStatus(**r) for r in regions})
 
     return _answers(rpc)
@@ -74,7 +88,7 @@ def _region_unregister(kind: str, response: Any) -> Handler:
     """Triton's ``{System,Cuda}SharedMemoryUnregister`` (closing a CUDA region is a CUDA call: off the loop)."""
 
     async def rpc(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await asyncio.to_thread(self.dataplane.shared_memory.unregister, kind, request.name)
+        await asyncio.to_thread(self.regions(context, kind).unregister, kind, request.name)
         return response()
 
     return _answers(rpc)
@@ -196,6 +210,12 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # ------------------------------------------------------------------ shared memory (service.shared_memory)
+    def regions(self, context: grpc.aio.ServicerContext, kind: str) -> SharedMemory:
+        """The server's regions, once the caller may make a ``kind`` call (``SharedMemory.check_caller``)."""
+        regions = self.dataplane.shared_memory
+        regions.check_caller(kind, peer_address(context.peer()))
+        return regions
+
     SystemSharedMemoryStatus = _region_status("system", pb.SystemSharedMemoryStatusResponse)
     SystemSharedMemoryUnregister = _region_unregister("system", pb.SystemSharedMemoryUnregisterResponse)
     CudaSharedMemoryStatus = _region_status("cuda", pb.CudaSharedMemoryStatusResponse)
@@ -203,13 +223,15 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_answers
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.dataplane.shared_memory.register_system(request.name, request.key, request.offset, request.byte_size)
+        regions = self.regions(context, "system")
+        regions.register_system(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_answers
     async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await asyncio.to_thread(self.dataplane.shared_memory.register_cuda, request.name, request.raw_handle,
-                                request.device_id, request.byte_size)  # opening the handle is a CUDA call
+        regions = self.regions(context, "cuda")
+        await asyncio.to_thread(regions.register_cuda, request.name, request.raw_handle, request.device_id,
+                                request.byte_size)  # opening the handle is a CUDA call
         return pb.CudaSharedMemoryRegisterResponse()
 
     TraceSetting = _unsupported("trace")

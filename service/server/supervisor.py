@@ -320,7 +320,7 @@ def _worker_main(
 
     regions = SharedMemory(settings.shared_memory_mb, Path(addresses[0].buffer_dir) / "regions",
                            cuda_refusal="the engines run in the engine process (SERVICE_WORKERS > 1, or several "
-                           "devices): use SERVICE_WORKERS=1 with one device")
+                           "devices): use SERVICE_WORKERS=1 with one device", remote=settings.shared_memory_remote)
     app = create_app(settings, manager, metrics=metrics, serve_before_ready=prepare_store, on_started=on_started,
                      shared_memory=regions)
     log.info("worker %d (pid %d) loading models", index, os.getpid())

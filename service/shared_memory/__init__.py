@@ -6,8 +6,11 @@ from the region, an output's written into it, and the request itself carries onl
 
 * ``records``: which regions are registered, one small file each in a folder every process of the server
   shares (several workers: a register call lands on one, the requests on any).
-* ``regions``: one registered region opened in this process (mapped file or opened IPC handle), with its bounds.
+* ``regions``: one registered region opened in this process (an open file or an opened IPC handle), with its
+  bounds.
 * ``table``: this process's regions: register, unregister, status, limits, and the leases that keep a region
   open while a request uses it.
+* ``callers``: who may register, unregister and list regions (a client on this host, unless the operator
+  opts in).
 * ``tensors``: one request's inputs read from and outputs written to regions, every bound checked.
 """

@@ -1,10 +1,12 @@
 """One registered region opened in this process, with the bounds every use is checked against.
 
 System regions are files directly in ``/dev/shm`` (what ``shm_open`` makes), opened without following links,
-and only when the server's own user owns them and nobody else may write them: a client can name no other file,
-and only a process that could stop the server anyway can resize a region under it (a mapped file that shrinks
-ends a reader with SIGBUS, so the size is also checked at every use). CUDA regions are a client's
-``cudaIpcMemHandle_t`` opened on the device that owns it, in the process whose engines run there.
+and only when the server's own user owns them and nobody else may write them, so a client can name no other
+file. They are never mapped: the client can shrink its file at any time, and a mapped file that shrinks ends
+its reader with SIGBUS. An input is read (``os.preadv``) into a buffer of the server's, an output written
+(``os.pwrite``) from one, at the region's own offsets only, so a far offset takes no address space and a file
+that shrank is a short read: a 400 naming the region. CUDA regions are a client's ``cudaIpcMemHandle_t``
+opened on the device that owns it, in the process whose engines run there.
 """
 
 from __future__ import annotations
@@ -15,17 +17,16 @@ import contextlib
 import ctypes
 import logging
 import math
-import mmap
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from service.errors import BadRequestError, NotSupportedError, printable
-from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime
+from service.runtime.device import CUDA_LOCK, IPC_HANDLE_BYTES, CudaError, CudaRuntime, visible_cuda_devices
 from service.runtime.device_rows import DeviceRows
 from service.shared_memory.records import RegionRecord
 
@@ -67,50 +68,91 @@ def open_shm_file(key: str, folder: Path = SHM_FOLDER) -> int:
 
 
 class SystemRegion:
-    """A client's system shared-memory region, mapped read-write from the start of its file to its end."""
+    """A client's system shared-memory region: its file, read and written at ``record.offset`` + a tensor's
+    offset with positioned calls (the bounds against the record are the caller's)."""
 
     kind = "system"
 
     def __init__(self, record: RegionRecord, folder: Path = SHM_FOLDER) -> None:
         self.record = record
         self.end = record.offset + record.byte_size
-        fd = open_shm_file(record.key, folder)
+        self._fd: int | None = open_shm_file(record.key, folder)
         try:
-            self._fd = fd
             self._check_size()
-            self._map = mmap.mmap(fd, self.end)  # from 0: a mapping's offset must be page-aligned
         except BaseException:
-            os.close(fd)
+            self.close()
             raise
 
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A new array of the tensor's bytes at ``offset`` in the region (one copy, as a body's tensor costs)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = np.empty(nbytes, np.uint8)
+        view = memoryview(buffer)
+        start, done = self.record.offset + offset, 0
+        while done < nbytes:  # one call reads at most 2 GiB
+            count = self._io("read", os.preadv, [view[done:]], start + done)
+            if count == 0:  # the file ended first: it shrank since it was registered
+                self._short("read")
+            done += count
+        return buffer.view(dtype).reshape(shape)
+
+    def write(self, offset: int, array: np.ndarray) -> None:
+        """Copy ``array``'s bytes (C order) to ``offset`` in the region. The size is checked first: a write past
+        the end would grow the file back (only one that races with the shrink itself does)."""
+        self._check_size()
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        start, done = self.record.offset + offset, 0
+        while done < len(data):
+            count = self._io("write", os.pwrite, data[done:], start + done)
+            if count == 0:
+                self._short("write")
+            done += count
+
+    def close(self) -> None:
+        """Close the file (once; any later read or write is a 400)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            raise BadRequestError(f"shared memory region {self.record.name!r} was closed (unregistered)")
+        return self._fd
+
     def _check_size(self) -> None:
-        size = os.fstat(self._fd).st_size
+        size = os.fstat(self._descriptor()).st_size
         if size < self.end:
             raise BadRequestError(f"shared memory region {self.record.name!r}: offset {self.record.offset} + "
                                   f"byte_size {self.record.byte_size} is past the end of {self.record.key!r} "
                                   f"({size} bytes)")
 
-    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """A read-only view of the tensor at ``offset`` in the region (bounds checked by the caller)."""
-        self._check_size()
-        count = math.prod(shape)
-        view = np.frombuffer(self._map, dtype, count, self.record.offset + offset).reshape(shape)
-        view.flags.writeable = False
-        return view
+    def _short(self, what: str) -> None:
+        """A read or write that the file's end cut short: a 400 naming the region and the file's size now."""
+        self._check_size()  # it says by how much, when the file is still short
+        raise BadRequestError(f"shared memory region {self.record.name!r}: its file {self.record.key!r} shrank "
+                              f"during a {what}")
 
-    def write(self, offset: int, array: np.ndarray) -> None:
-        """Copy ``array``'s bytes to ``offset`` in the region (bounds checked by the caller)."""
-        self._check_size()
-        start = self.record.offset + offset
-        data = np.ascontiguousarray(array)
-        target = np.frombuffer(self._map, np.uint8, data.nbytes, start)
-        target[...] = data.reshape(-1).view(np.uint8)
+    def _io(self, what: str, call: Callable[..., int], *args: object) -> int:
+        """``call(fd, *args)``: one positioned read or write; an error of the file (a full /dev/shm, say) is a 400
+        naming it."""
+        try:
+            return call(self._descriptor(), *args)
+        except OSError as exc:
+            raise BadRequestError(f"shared memory region {self.record.name!r}: the {what} of {self.record.key!r} "
+                                  f"failed: {exc.strerror}") from None
 
-    def close(self) -> None:
-        """Unmap (once no view of it is left: the last one unmaps it) and close the file."""
-        with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with the last one
-            self._map.close()
-        os.close(self._fd)
+
+def cuda_unavailable(detail: str) -> NotSupportedError:
+    """CUDA shared memory cannot be used in this process: said plainly as "no GPU" where the driver sees none (a
+    CUDA runtime without one talks of driver versions), ``detail`` after it."""
+    count, reason = visible_cuda_devices()
+    if count == 0:
+        return NotSupportedError(f"CUDA shared memory needs a GPU: this server has no GPU ({reason}; {detail})")
+    return NotSupportedError(f"CUDA shared memory is not available: {detail}")
 
 
 def ipc_handle(raw: object) -> bytes:
@@ -161,8 +203,7 @@ class CudaRegion:
                     raise BadRequestError(f"failed to register CUDA shared memory region {record.name!r}: the "
                                           f"handle does not open on device {record.device_id} ({exc})") from None
         except CudaError as exc:  # the device itself cannot be used here
-            raise NotSupportedError(f"CUDA shared memory is not available: device {record.device_id} cannot be used "
-                                    f"here ({exc})") from None
+            raise cuda_unavailable(f"device {record.device_id} cannot be used here ({exc})") from None
         size = _allocation_size(self.address)
         if size is not None and record.byte_size > size:
             self.close()

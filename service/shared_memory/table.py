@@ -4,11 +4,15 @@ Semantics are Triton's, so tritonclient's helpers and examples work unchanged: a
 (again only after unregistering it); unregistering a name that is not registered, or an empty name (every
 region of that kind), succeeds; a status of an unknown name is a 404. Unregistering a region that requests
 are using takes it away at once for new requests (a 400 that names it) and closes it when the last of those
-requests is answered, so an in-flight request never reads unmapped memory (a region that another worker
-unregistered closes here at the next request that names it).
+requests is answered, so an in-flight request never reads a closed region (a region that another worker
+unregistered closes here at the next request that names it). A region opened here joins the table only under
+the table's lock and only while its record is still the one it was opened for; ``unregister`` removes the
+record before it retires the open region under that lock: whatever the interleaving, no region stays open here
+past its record's unregistering in this process.
 
 Limits per server (all workers together): ``MAX_REGIONS`` regions and ``SERVICE_SHARED_MEMORY_MB`` MiB of
-registered bytes; 0 MiB turns both extensions off.
+registered bytes; 0 MiB turns both extensions off. Who may make the calls: ``check_caller`` (``callers``), which
+the protocol layers call first.
 """
 
 from __future__ import annotations
@@ -26,8 +30,17 @@ from typing import Any
 
 from service.errors import BadRequestError, ConflictError, NotFoundError, NotSupportedError, printable
 from service.runtime.device import CudaRuntime
+from service.shared_memory.callers import check_caller
 from service.shared_memory.records import RecordFolder, RegionRecord, Stamp
-from service.shared_memory.regions import SHM_FOLDER, CudaRegion, Region, SystemRegion, check_key, ipc_handle
+from service.shared_memory.regions import (
+    SHM_FOLDER,
+    CudaRegion,
+    Region,
+    SystemRegion,
+    check_key,
+    cuda_unavailable,
+    ipc_handle,
+)
 
 MAX_REGIONS = 64
 """Regions registered at once on one server (every kind, every worker)."""
@@ -43,7 +56,8 @@ class _Open:
     """A region open in this process: the record identity it was opened for and its leases."""
 
     region: Region
-    stamp: Stamp
+    stamp: Stamp | None
+    """The identity of the record it was opened for; None: none (unregistered before it could join)."""
     users: int = 0
     retired: bool = False  # unregistered (or registered again): closed once its last lease goes
 
@@ -52,12 +66,14 @@ class SharedMemory:
     """The regions one server process can serve from (see the module docstring)."""
 
     def __init__(self, max_mb: int, folder: Path | None = None, *, cuda: CudaSource | None = None,
-                 cuda_refusal: str = "", shm_folder: Path = SHM_FOLDER) -> None:
+                 cuda_refusal: str = "", shm_folder: Path = SHM_FOLDER, remote: bool = False) -> None:
         self.max_bytes = max_mb << 20
+        self.remote = remote
+        """Register, unregister and status calls from any client, not only from this host's."""
         self.records = RecordFolder(folder)
         self._private = folder is None
         self._cuda = cuda
-        self._cuda_refusal = cuda_refusal or "this server has no GPU"
+        self._cuda_refusal = cuda_refusal or "no CUDA runtime loads in this process"
         self._shm_folder = shm_folder
         self._open: dict[str, _Open] = {}
         self._retiring: list[_Open] = []
@@ -69,6 +85,13 @@ class SharedMemory:
         return self.max_bytes > 0
 
     # ------------------------------------------------------------------ the extension's calls
+    def check_caller(self, kind: str, peer: str | None) -> None:
+        """Before a register, unregister or status call of ``kind`` from ``peer`` (an IP address as text; None:
+        a Unix socket): refused when the extension is off, or when the peer is not on this host and
+        ``remote`` is off (``callers``)."""
+        self._check_enabled(kind)
+        check_caller(peer, self.remote)
+
     def register_system(self, name: str, key: object, offset: object, byte_size: object) -> None:
         record = RegionRecord(_name(name), "system", _size(byte_size, "byte_size", 1), key=check_key(key),
                               offset=_size(offset, "offset", 0))
@@ -161,12 +184,9 @@ class SharedMemory:
                 region.close()
                 raise ConflictError(f"shared memory region {record.name!r} is already registered")
         found = self.records.read(record.name)
+        entry = _Open(region, found[1] if found is not None and found[0] == record else None)
         with self._lock:
-            self._retire(record.name)
-            entry = _Open(region, found[1] if found is not None else (0, 0))
-            self._open[record.name] = entry
-            if found is None or found[0] != record:  # unregistered meanwhile
-                self._retire(record.name)
+            self._publish(record.name, entry)
 
     def _open_region(self, name: str) -> Region:
         """Open the registered region ``name`` here, leased once."""
@@ -175,11 +195,19 @@ class SharedMemory:
             raise BadRequestError(f"unable to find shared memory region: {printable(name)!r}")
         record, stamp = found
         region = self._opened(record)
-        entry = _Open(region, stamp, users=1)
         with self._lock:
-            self._retire(name)
-            self._open[name] = entry
+            self._publish(name, _Open(region, stamp, users=1))
         return region
+
+    def _publish(self, name: str, entry: _Open) -> None:
+        """(lock held) ``entry`` becomes ``name``'s open region in place of the one before, and is retired at
+        once unless ``name``'s record is still the one it was opened for (an ``unregister`` or another register
+        came between reading the record and this lock)."""
+        self._retire(name)
+        self._open[name] = entry
+        current = self.records.stamp(name)
+        if current is None or current != entry.stamp:
+            self._retire(name)
 
     def _opened(self, record: RegionRecord) -> Region:
         """The region of ``record`` opened in this process (CUDA calls for a CUDA one)."""
@@ -190,7 +218,7 @@ class SharedMemory:
     def _cuda_runtime(self) -> CudaRuntime:
         runtime = self._cuda() if self._cuda is not None else None
         if runtime is None:
-            raise NotSupportedError(f"CUDA shared memory is not available: {self._cuda_refusal}")
+            raise cuda_unavailable(self._cuda_refusal)
         return runtime
 
     def _retire(self, name: str) -> None:
@@ -211,7 +239,7 @@ class SharedMemory:
                     return
 
     def _close_if_unused(self, entry: _Open) -> None:
-        """(lock held) Close a retired region nobody uses: a system region at once (an unmap), a CUDA one on
+        """(lock held) Close a retired region nobody uses: a system region at once (its file), a CUDA one on
         the closer thread (a CUDA call may wait for a graph capture; the caller may be the event loop)."""
         if entry.users > 0:
             return
@@ -253,7 +281,11 @@ def _name(name: object) -> str:
     return name
 
 
+MAX_SIZE = (1 << 62) - 1
+"""Largest offset and byte size: their sum stays a file offset (a signed 64-bit off_t)."""
+
+
 def _size(value: object, what: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 1 << 62:
-        raise BadRequestError(f"{what} must be an integer of at least {least}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_SIZE:
+        raise BadRequestError(f"{what} must be an integer from {least} to 2^62 - 1 ({MAX_SIZE})")
     return value

@@ -4,8 +4,9 @@ A tensor names its region in its parameters, as tritonclient's ``set_shared_memo
 ``shared_memory_region``, ``shared_memory_byte_size`` and (optional) ``shared_memory_offset``. Every bound is
 checked before a byte is touched: the tensor's bytes (datatype x shape) must equal an input's byte size, and
 the byte range must lie inside the region; an output's result must fit its byte size (a 400 after the
-inference, as Triton answers). A system input is a read-only view of the mapped region, so its one copy is the
-engine's (into the batch's buffer or to the device); a CUDA input stays on the device (``DeviceRows``).
+inference, as Triton answers). A system input is read from its region's file into an array of the server's
+while the request is decoded (one copy, as a tensor in the body costs; a file the client shrank meanwhile is a
+400, never a signal); a CUDA input stays on the device (``DeviceRows``).
 
 The regions are leased for the request's life (``RegionUse`` is a context manager, one per request); CUDA
 regions also for the life of their ``DeviceRows``, which a cancelled request may leave with the engine.

@@ -64,12 +64,13 @@ def make_settings(tmp_path: Path, **overrides: object) -> ServiceSettings:
 
 
 @contextlib.asynccontextmanager
-async def serve_app(settings: ServiceSettings) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the app's lifespan around an in-process client; the app is ``client.app``."""
+async def serve_app(settings: ServiceSettings, peer: tuple[str, int] = ("127.0.0.1", 123)
+                    ) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan around an in-process client (from the address ``peer``); the app is ``client.app``."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         await app.state.lifecycle.wait_started()
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False, client=peer)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
             client.app = app  # type: ignore[attr-defined]
             yield client

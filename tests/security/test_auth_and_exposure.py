@@ -34,8 +34,9 @@ REFUSED = {"/v2/trace/setting", "/v2/models/{name}/trace/setting", "/v2/logging"
 """Extensions this server does not implement: every method answers 400 "not supported", token or not."""
 SHARED_MEMORY = {f"/v2/{kind}sharedmemory/{path}" for kind in ("system", "cuda")
                  for path in ("region/{name}/register", "region/{name}/unregister", "unregister")}
-"""Triton's shared-memory calls: public like inference (Triton's clients send no token); what a client may
-register and how much is bounded instead (docs/security.md, tests/integration/grpc/test_grpc_shared_memory.py)."""
+"""Triton's shared-memory calls: no token, like inference (Triton's clients send none); taken from clients on this
+host only (tests/security/test_shared_memory_callers.py), and what a client may register and how much is bounded
+(docs/security.md, tests/integration/grpc/test_grpc_shared_memory.py)."""
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 TINY = builders.tiny_cnn(seed=3)
 

@@ -160,6 +160,17 @@ async def shared_memory_bounds(env: Env) -> set[int]:
         path.unlink()
 
 
+async def shared_memory_remote(env: Env) -> set[int]:
+    app = env.client.app  # type: ignore[attr-defined]
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False, client=("203.0.113.7", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as remote:
+        answers = [await remote.get("/v2/systemsharedmemory/status"),
+                   await remote.post("/v2/cudasharedmemory/unregister"),
+                   await remote.post("/v2/systemsharedmemory/region/r/register", json={"key": "/k", "byte_size": 8})]
+    assert all("SERVICE_SHARED_MEMORY_REMOTE" in r.json()["error"] for r in answers), [r.text for r in answers]
+    return _statuses(*answers)
+
+
 async def shared_memory_unknown(env: Env) -> set[int]:
     return _statuses(await env.client.get("/v2/systemsharedmemory/region/nope/status"),
                      await env.client.get("/v2/cudasharedmemory/region/nope/status"))
@@ -376,6 +387,8 @@ CASES: dict[str, Case] = {
     "a tensor naming a shared-memory region that is not registered, or bytes past its end; a region key that is "
     "not a file of the server's user directly in `/dev/shm`": shared_memory_bounds,
     "the status of a shared-memory region that is not registered": shared_memory_unknown,
+    "a shared-memory register, unregister or status call from a client that is not on the server's host (not a "
+    "loopback address), unless `SERVICE_SHARED_MEMORY_REMOTE`": shared_memory_remote,
     "a shared-memory region registered twice, or past the server's limits (`SERVICE_SHARED_MEMORY_MB`, 64 "
     "regions)": shared_memory_conflict,
     "an upload, delete, load or unload without the admin token, or with a wrong one": no_token,

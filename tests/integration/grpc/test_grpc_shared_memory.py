@@ -399,5 +399,6 @@ def no_gpu() -> None:
 def test_cuda_register_is_refused_as_not_available_without_a_gpu(side: Side, no_gpu: None) -> None:
     handle = base64.b64encode(bytes(64)).decode()  # a cudaIpcMemHandle_t's size; never opened here
     text = side.refused(OFF, side.client.register_cuda_shared_memory, "cuda-region", handle, 0, 64)
-    assert text.startswith("CUDA shared memory is not available: ")
+    assert text.startswith("CUDA shared memory needs a GPU: this server has no GPU ("), text
+    assert text.endswith(")") and len(text) > 60  # the driver's and the runtime's reasons follow
     side.refused(NOT_FOUND, side.client.get_cuda_shared_memory_status, "cuda-region")  # nothing registered

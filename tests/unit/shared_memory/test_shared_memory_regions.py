@@ -1,10 +1,13 @@
-"""Regions: shm_open keys, the checks before a region file is opened, mapped system regions and their bounds,
-CUDA IPC handles as the client sends them."""
+"""Regions: shm_open keys, the checks before a region file is opened, system regions read and written with
+positioned calls (never mapped) and their bounds, CUDA IPC handles as the client sends them."""
 
 from __future__ import annotations
 
 import base64
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -103,19 +106,47 @@ def test_a_region_past_the_end_of_its_file_is_refused_at_open(tmp_path: Path) ->
     region.close()
 
 
-def test_read_is_a_read_only_view_at_the_record_offset_plus_the_tensor_offset(tmp_path: Path) -> None:
+def test_read_copies_the_tensor_at_the_record_offset_plus_the_tensor_offset(tmp_path: Path) -> None:
     values = np.arange(16, dtype=np.float32)
-    region_file(tmp_path, "data", 64, values.tobytes())
+    path = region_file(tmp_path, "data", 64, values.tobytes())
     region = SystemRegion(_record("data", 48, offset=16), tmp_path)  # floats 4..15
-    view = region.read(8, np.dtype(np.float32), (2, 3))  # floats 6..11
-    assert view.shape == (2, 3) and view.dtype == np.float32
-    np.testing.assert_array_equal(view, [[6, 7, 8], [9, 10, 11]])
-    assert not view.flags.writeable
-    with pytest.raises(ValueError, match="read-only"):
-        view[0, 0] = 1
+    array = region.read(8, np.dtype(np.float32), (2, 3))  # floats 6..11
+    assert array.shape == (2, 3) and array.dtype == np.float32
+    np.testing.assert_array_equal(array, [[6, 7, 8], [9, 10, 11]])
+    array[0, 0] = -1  # the server's own buffer
+    assert path.read_bytes() == values.tobytes()
     assert region.read(0, np.dtype(np.float32), (1,))[0] == 4
-    del view
+    assert region.read(0, np.dtype(np.float32), (0, 3)).shape == (0, 3)
     region.close()
+
+
+def _mappings_of(path: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Path]:
+    """A private folder in /dev/shm: tmpfs holds sparse files up to 2^63 - 1 bytes (a disk's file system less)."""
+    folder = Path(tempfile.mkdtemp(prefix="onnxcnn-test-regions-", dir="/dev/shm"))
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("offset", [0, 2**40, 2**50, 2**61])
+def test_a_region_is_never_mapped_and_a_far_offset_reads_and_writes_only_its_own_bytes(
+        tmpfs: Path, offset: int) -> None:
+    """A mapped file that shrinks is SIGBUS, and mapping from the file's start to a far offset takes that much
+    address space (or fails): a region is read and written with positioned calls instead."""
+    path = region_file(tmpfs, "far", offset + 64)
+    with path.open("r+b", buffering=0) as file:
+        os.pwrite(file.fileno(), np.arange(4, dtype=np.int32).tobytes(), offset + 16)
+    region = SystemRegion(_record("far", 48, offset=offset + 16), tmpfs)
+    assert region.read(4, np.dtype(np.int32), (3,)).tolist() == [1, 2, 3]
+    region.write(32, np.array([7, 8], np.int32))
+    assert _mappings_of(path) == []
+    region.close()
+    with path.open("rb", buffering=0) as file:
+        assert np.frombuffer(os.pread(file.fileno(), 8, offset + 48), np.int32).tolist() == [7, 8]
 
 
 def test_read_sees_what_the_client_writes_later(tmp_path: Path) -> None:
@@ -152,22 +183,27 @@ def test_a_file_truncated_after_opening_is_refused_at_read_and_write(tmp_path: P
     region.close()
 
 
-def test_close_unmaps_and_closes_the_file(tmp_path: Path) -> None:
+def test_close_closes_the_file_and_a_closed_region_refuses_reads(tmp_path: Path) -> None:
     region_file(tmp_path, "c", 16)
     region = SystemRegion(_record("c", 16), tmp_path)
     fd = region._fd
+    assert fd is not None
     region.close()
-    assert region._map.closed
+    assert region.closed
     with pytest.raises(OSError):
         os.fstat(fd)
+    with pytest.raises(BadRequestError, match="shared memory region 'region' was closed"):
+        region.read(0, np.dtype(np.uint8), (4,))
+    region.close()  # twice: nothing more to close
 
 
-def test_close_while_a_view_is_alive_leaves_the_view_readable(tmp_path: Path) -> None:
-    region_file(tmp_path, "v", 16, bytes(range(16)))
-    region = SystemRegion(_record("v", 16), tmp_path)
-    view = region.read(0, np.dtype(np.uint8), (16,))
-    region.close()  # the mapping goes with its last view
-    assert view.tolist() == list(range(16))
+def test_a_region_that_does_not_fit_its_file_closes_the_file_it_opened(tmp_path: Path) -> None:
+    path = region_file(tmp_path, "short", 8)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(BadRequestError, match="is past the end of 'short'"):
+        SystemRegion(_record("short", 16), tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert path.exists()
 
 
 def test_ipc_handle_accepts_64_bytes_as_bytes_or_base64() -> None:

@@ -3,6 +3,7 @@ an unregistered region open until the requests using it are answered (several wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +113,12 @@ def test_register_refuses_a_file_that_cannot_hold_the_region(tmp_path: Path, shm
     assert memory.status("system") == []  # nothing recorded
 
 
-@pytest.mark.parametrize(("offset", "byte_size"), [(0, 0), (-1, 8), (0, True), (0, "8"), (0.0, 8)])
+@pytest.mark.parametrize(("offset", "byte_size"), [(0, 0), (-1, 8), (0, True), (0, "8"), (0.0, 8), (2**62, 8),
+                                                  (0, 2**62)])
 def test_register_refuses_sizes_that_are_no_proper_integers(tmp_path: Path, shm: Path, offset: object,
                                                             byte_size: object) -> None:
     memory = _memory(tmp_path, shm)
-    with pytest.raises(BadRequestError, match="must be an integer of at least"):
+    with pytest.raises(BadRequestError, match=r"must be an integer from [01] to 2\^62 - 1"):
         memory.register_system("r", "a", offset, byte_size)
 
 
@@ -156,14 +158,56 @@ def test_max_mb_0_turns_every_call_off(tmp_path: Path, shm: Path) -> None:
             call()
 
 
-def test_cuda_register_without_cuda_is_not_supported_with_the_reason(tmp_path: Path, shm: Path) -> None:
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """gpus(n): the driver sees n GPUs (0: none, and says why) for the refusals of CUDA shared memory."""
+    from service.shared_memory import regions
+
+    def see(count: int) -> None:
+        monkeypatch.setattr(regions, "visible_cuda_devices", lambda: (count, "no NVIDIA driver (libcuda.so.1 not "
+                                                                              "found)" if count == 0 else "found"))
+
+    return see
+
+
+def test_cuda_register_without_cuda_is_not_supported_with_the_reason(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    gpus(1)
     memory = _memory(tmp_path, shm, cuda_refusal="the engines run elsewhere")
     with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: the engines run elsewhere"):
         memory.register_cuda("g", bytes(64), 0, 8)
     default = SharedMemory(1, tmp_path / "other", cuda=lambda: None, shm_folder=shm)
-    with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: this server has no GPU"):
+    with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: no CUDA runtime loads"):
         default.register_cuda("g", bytes(64), 0, 8)
     assert memory.status("cuda") == []
+
+
+def test_cuda_register_on_a_host_without_a_gpu_says_so_plainly(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    """A CUDA runtime on a host without a GPU fails of "driver version is insufficient": the refusal says first
+    that there is no GPU, the details after it."""
+    from service.runtime.device import CudaError
+
+    class NoDriver(_FakeCuda):
+        def __init__(self) -> None:
+            super().__init__()
+
+            def set_device(device_id: int) -> None:
+                raise CudaError("cudaSetDevice failed: CUDA driver version is insufficient for CUDA runtime version "
+                                "(35)")
+
+            self.set_device = set_device
+
+    gpus(0)
+    want = r"^CUDA shared memory needs a GPU: this server has no GPU \(no NVIDIA driver \(libcuda.so.1 not found\); "
+    with pytest.raises(NotSupportedError, match=want + r"device 0 cannot be used here \(cudaSetDevice failed: CUDA "
+                                                       r"driver version is insufficient"):
+        _memory(tmp_path, shm, cuda=NoDriver).register_cuda("gpu", bytes(64), 0, 64)
+    with pytest.raises(NotSupportedError, match=want + "no CUDA runtime loads in this process"):
+        _memory(tmp_path, shm, cuda=lambda: None).register_cuda("gpu", bytes(64), 0, 64)
+    with pytest.raises(NotSupportedError, match=want + "the engines run elsewhere"):
+        _memory(tmp_path, shm, cuda_refusal="the engines run elsewhere").register_cuda("gpu", bytes(64), 0, 64)
+    assert _memory(tmp_path, shm).status("cuda") == []
 
 
 def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: Path, shm: Path) -> None:
@@ -173,15 +217,13 @@ def test_a_region_unregistered_while_leased_stays_open_until_released(tmp_path: 
     region = memory.lease("r")
     assert memory.lease("r") is region  # the same open region, two leases
     memory.release(region)
-    view = region.read(4, np.dtype(np.int32), (3,))
     memory.unregister("system", "r")
     with pytest.raises(BadRequestError, match="unable to find shared memory region: 'r'"):
         memory.lease("r")
-    assert not region._map.closed
-    assert view.tolist() == [1, 2, 3]  # still mapped for the request that has it
-    del view
+    assert not region.closed
+    assert region.read(4, np.dtype(np.int32), (3,)).tolist() == [1, 2, 3]  # still open for the request that has it
     memory.release(region)  # the last lease of a retired region closes it
-    assert region._map.closed
+    assert region.closed
     assert memory._retiring == [] and memory._open == {}
 
 
@@ -192,7 +234,7 @@ def test_close_closes_every_region_and_removes_a_private_folder(shm: Path) -> No
     region = memory.lease("r")
     folder = memory.records.folder
     memory.close()
-    assert region._map.closed
+    assert region.closed
     assert not folder.exists()
 
 
@@ -215,7 +257,7 @@ def test_two_workers_sharing_the_records_see_each_others_changes(tmp_path: Path,
     new = second.lease("r")
     assert new is not old and new.record.key == "two"
     assert bytes(new.read(0, np.dtype(np.uint8), (8,))) == b"22222222"
-    assert old._map.closed  # the lease that found 'r' gone retired the old region, which nobody used
+    assert old.closed  # the lease that found 'r' gone retired the old region, which nobody used
 
 
 def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: Path, shm: Path) -> None:
@@ -229,12 +271,14 @@ def test_a_re_register_under_another_key_is_noticed_at_the_next_lease(tmp_path: 
     new = second.lease("r")
     assert new is not old
     assert bytes(new.read(0, np.dtype(np.uint8), (8,))) == b"22222222"
-    assert not old._map.closed  # still leased by the request that had it
+    assert not old.closed  # still leased by the request that had it
     second.release(old)
-    assert old._map.closed
+    assert old.closed
 
 
-def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path: Path, shm: Path) -> None:
+def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
+    gpus(1)
     runtime = _FakeCuda()
     engines, worker = _memory(tmp_path, shm, cuda=lambda: runtime), _memory(tmp_path, shm, cuda_refusal="no GPU here")
     engines.register_cuda("g", bytes(range(64)), 0, 256)
@@ -246,8 +290,10 @@ def test_a_cuda_region_of_another_worker_cannot_be_leased_without_cuda(tmp_path:
 
 
 def test_a_cuda_handle_that_does_not_open_or_a_device_that_cannot_be_used_is_a_clear_refusal(
-        tmp_path: Path, shm: Path) -> None:
+        tmp_path: Path, shm: Path, gpus: Callable[[int], None]) -> None:
     from service.runtime.device import CudaError
+
+    gpus(1)
 
     class Refusing(_FakeCuda):
         def open_ipc(self, handle: bytes) -> int:
@@ -267,3 +313,50 @@ def test_a_cuda_handle_that_does_not_open_or_a_device_that_cannot_be_used_is_a_c
     with pytest.raises(NotSupportedError, match="CUDA shared memory is not available: device 0 cannot be used"):
         _memory(tmp_path, shm, cuda=NoDevice).register_cuda("gpu", bytes(64), 0, 64)
     assert _memory(tmp_path, shm).status("cuda") == []  # nothing was recorded
+
+
+def _unregistering_after_a_read(memory: SharedMemory, name: str) -> None:
+    """The next read of ``name``'s record by the table is followed at once by an unregister of ``name`` (a client
+    that unregisters while a request or a register call is opening the region)."""
+    read = memory.records.read
+
+    def read_then_unregister(wanted: str) -> Any:
+        found = read(wanted)
+        if wanted == name:
+            memory.records.read = read  # type: ignore[method-assign]
+            memory.unregister("system", name)
+        return found
+
+    memory.records.read = read_then_unregister  # type: ignore[method-assign]
+
+
+def test_a_region_unregistered_while_a_request_opens_it_closes_with_that_request(tmp_path: Path, shm: Path) -> None:
+    region_file(shm, "a", 16, bytes(range(16)))
+    memory = _memory(tmp_path, shm)
+    memory.register_system("r", "a", 0, 16)
+    memory._retire("r")  # as in another worker: the first request opens the region
+    _unregistering_after_a_read(memory, "r")
+    region = memory.lease("r")  # the record was read, then unregistered before the region joined the table
+    assert region.read(0, np.dtype(np.uint8), (2,)).tolist() == [0, 1]  # the request that named it is served
+    memory.release(region)
+    assert region.closed, "the region stayed open after its record was unregistered and its last lease ended"
+    assert memory._open == {} and memory._retiring == []
+
+
+def test_a_region_unregistered_while_it_is_registered_closes_at_once(tmp_path: Path, shm: Path) -> None:
+    region_file(shm, "a", 16)
+    memory = _memory(tmp_path, shm)
+    opened: list[Any] = []
+    real = memory._opened
+
+    def opening(record: Any) -> Any:
+        opened.append(real(record))
+        return opened[-1]
+
+    memory._opened = opening  # type: ignore[method-assign]
+    _unregistering_after_a_read(memory, "r")
+    memory.register_system("r", "a", 0, 16)  # recorded, read back, then unregistered before it joined the table
+    assert memory.status("system") == []
+    assert len(opened) == 1 and opened[0].closed
+    assert memory._open == {} and memory._retiring == []
+
