@@ -158,6 +158,7 @@ class InlineReading:
     attributes."""
 
     _refused: bool
+    _behind: int | None
     parser: Any
 
     def _init_inline(self) -> None:
@@ -195,6 +196,8 @@ class InlineReading:
     def _inline_received(self, inline: InlineBody) -> None:
         if inline.complete:  # the parser, still waiting for this body, is replaced by a fresh one
             self.on_message_complete()
+            if self._behind is not None:  # the connection's last request (not kept alive): nothing more is parsed
+                return
             self.parser = httptools.HttpRequestParser(self)
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
 

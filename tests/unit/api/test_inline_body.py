@@ -5,6 +5,7 @@ whose reads land in the body's buffer and reach the application without a copy."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tracemalloc
 from types import SimpleNamespace
 from typing import Any
@@ -18,8 +19,9 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.server import ServerState
 
 from service.api.bodies import inline_body_of
-from service.server.inline_body import INLINE_BODY_MAX, INLINE_PATHS, InlineBody, inline_length
-from service.server.transport import ServedProtocol
+from service.server.http_guard import MAX_HEAD_BYTES, HttpToolsGuard
+from service.server.inline_body import INLINE_BODY_MAX, INLINE_PATHS, READ_SIZE, InlineBody, inline_length
+from service.server.transport import BufferedReads, ServedProtocol
 
 
 @pytest.mark.parametrize(("headers", "length"), [
@@ -226,3 +228,102 @@ def test_interleaved_connections_share_the_scratch_buffer_safely() -> None:
     expected = [b"%s %d" % (path.encode(), sum(body)) for path, body in zip(paths, bodies, strict=True)]
     assert uvloop.run(main()) == expected
 
+
+BEHIND = b"GET /behind HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+@pytest.mark.parametrize("first_line", [
+    b"POST %s HTTP/1.0\r\n", b"POST %s HTTP/1.1\r\nConnection: close\r\n",
+    b"POST %s HTTP/1.0\r\nConnection: keep-alive\r\n",
+], ids=["http-1.0", "connection-close", "http-1.0-keep-alive"])
+@pytest.mark.parametrize("path", ["/predict", "/v1/models/m"], ids=["inline", "parser"])
+@pytest.mark.parametrize("apart", [False, True], ids=["with-the-head", "after-the-head"])
+def test_nothing_behind_the_last_request_of_a_connection_is_parsed(
+    first_line: bytes, path: str, apart: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that will not be kept alive is the connection's last: a request sent behind it is never parsed
+    (never reaches the parser's URL callback, let alone the application), whether its body is taken inline or by
+    the parser, and whether it arrived in the head's read or after it; one answer, then the server closes."""
+    parsed: list[bytes] = []
+    real_on_url = HttpToolsGuard.on_url
+
+    def on_url(self: HttpToolsGuard, url: bytes) -> None:
+        parsed.append(url)
+        real_on_url(self, url)
+
+    monkeypatch.setattr(HttpToolsGuard, "on_url", on_url)
+    seen: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        inline = inline_body_of(scope)
+        if inline is not None:
+            assert await inline.view() is not None
+        else:
+            while (await receive()).get("more_body"):
+                pass
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    body = bytes(range(256)) * 4
+    head = first_line % path.encode() + b"Host: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    async def main() -> bytes:
+        async with uvicorn_serving(app, ServedProtocol) as client:
+            reader, writer = await asyncio.open_connection("127.0.0.1", client.base_url.port)
+            if apart:
+                writer.write(head)
+                await asyncio.sleep(0.05)
+                writer.write(body + BEHIND)
+            else:
+                writer.write(head + body + BEHIND)
+            answer = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+            writer.close()
+            return answer
+
+    answer = uvloop.run(main())
+    assert answer.count(b"HTTP/1.1 ") == 1 and answer.endswith(b"ok"), answer
+    assert seen == [path]
+    assert parsed == [path.encode()], parsed
+
+
+def test_a_flood_behind_the_last_request_is_not_read_on() -> None:
+    """Behind a ``Connection: close`` request a client sends 8 MiB: the server reads on no more than the head
+    budget (and the read that crossed it) before it pauses, and still answers the request."""
+    read: list[int] = []
+    real_buffer_updated = BufferedReads.buffer_updated
+
+    def buffer_updated(self: BufferedReads, nbytes: int) -> None:
+        read.append(nbytes)
+        real_buffer_updated(self, nbytes)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        inline = inline_body_of(scope)
+        assert inline is not None and await inline.view() is not None
+        await asyncio.sleep(0.3)  # the flood arrives meanwhile
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    body = bytes(1000)
+    request = b"POST /predict HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n" + body
+
+    async def main() -> bytes:
+        async with uvicorn_serving(app, ServedProtocol) as client:
+            reader, writer = await asyncio.open_connection("127.0.0.1", client.base_url.port)
+            writer.write(request + b"x" * (8 << 20))
+            answer = b""
+            with contextlib.suppress(ConnectionResetError):  # closed on the unread flood: a reset after the answer
+                while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                    answer += chunk
+            writer.transport.abort()
+            return answer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BufferedReads, "buffer_updated", buffer_updated)
+        answer = uvloop.run(main())
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok"), answer
+    assert sum(read) <= len(request) + MAX_HEAD_BYTES + READ_SIZE, sum(read)
