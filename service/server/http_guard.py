@@ -186,8 +186,7 @@ class _Guard:
         self._refused = False
         """Set once the connection is refused: nothing more is parsed, what arrives is dropped."""
         self._behind: int | None = None
-        """Once the request that ends the connection (``keep_alive`` false: HTTP/1.0, ``Connection: close``) was read
-        whole, the bytes dropped behind it, never parsed. Set over httptools; h11 parses none and pauses itself."""
+        """Bytes dropped unparsed behind the last request (``keep_alive`` false; None before it). h11 stops itself."""
 
     # ------------------------------------------------------------------ what each parser says
     def _reading_head(self) -> bool:
@@ -222,9 +221,11 @@ class _Guard:
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Every timer stops: uvicorn's keep-alive one, left running after a reset, kept request and answer alive."""
         self._cancel_timers()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
+        for timer in (self._linger_timer, self.timeout_keep_alive_task):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes | memoryview) -> None:
@@ -441,8 +442,7 @@ if HttpToolsProtocol is not None:
         def on_message_complete(self) -> None:
             self._in_body = False
             super().on_message_complete()
-            if self.cycle is not None and not self.cycle.keep_alive:
-                self._behind = 0
+            self._behind = None if self.cycle.keep_alive else 0  # the connection's last request: parse no more
 
 
 class _BoundedConnection(h11.Connection):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from typing import Any
 
 import httptools
@@ -63,10 +64,15 @@ class InlineBody:
     the protocol reads into ``window()``, else copied by ``add``. The application gets it as one ASGI message
     (``receive``: a copy, as ASGI's ``bytes``) or, through ``view``, as a read-only view (no copy)."""
 
-    __slots__ = ("buffer", "cycle", "delivered", "filled", "length", "wanted")
+    __slots__ = ("_cycle", "buffer", "delivered", "filled", "length", "wanted")
 
     def __init__(self, cycle: Any, length: int) -> None:
-        self.cycle = cycle
+        self._cycle = weakref.ref(cycle)
+        """Weak: the cycle holds this body (its ``receive``, its scope's extension), and a reference back made them
+        garbage only Python's cyclic collector frees: the cycle, this buffer and the transport with an answer not
+        yet sent outlived the connection (three rounds of clients that reset mid-answer grew the server by
+        hundreds of MiB). The cycle outlives every use of its body: the application runs inside the cycle's
+        ``run_asgi``, and the protocol keeps its current cycle while it feeds that cycle's body."""
         self.length = length
         self.buffer = memoryview(np.empty(length, np.uint8)).cast("B")
         self.filled = 0
@@ -75,6 +81,10 @@ class InlineBody:
         self.delivered = False
         cycle.receive = self.receive
         cycle.scope.setdefault("extensions", {})[INLINE_BODY] = self
+
+    @property
+    def cycle(self) -> Any:
+        return self._cycle()
 
     @property
     def complete(self) -> bool:
