@@ -2,9 +2,10 @@
 
 Starts ``python -m service serve`` (CPU, no models) and, one case at a time, sends over a raw socket as fast as
 the loopback allows: one header value of ``--value-mb`` MiB (64 by default), 10,000 small header fields, a
-1 MiB URL. For each case it records the answer (status line, or how the connection ended), the time until
-that answer, the server's peak RSS growth (sampled every 10 ms) and the slowest liveness probe
-(``GET /v2/health/live`` on a second connection, every 50 ms) while the case ran.
+1 MiB URL; then opens 1,000 connections that each send an unfinished head and holds them 1 s (within the head
+deadline): what an idle connection costs. For each case it records the answer (status line, or how the
+connection ended), the time until that answer, the server's peak RSS growth (sampled every 10 ms) and the
+slowest liveness probe (``GET /v2/health/live`` on a second connection, every 50 ms) while the case ran.
 
 Run: ``.venv/bin/python bench/hostile_heads.py [--value-mb 64] [--label before]``; writes
 ``bench/results/hostile-heads-<date>-cpu[-label].json`` and prints a table.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -134,6 +137,21 @@ def send_raw(host: str, port: int, parts: list[bytes], timeout_s: float = 300) -
     return (data.split(b"\r\n", 1)[0].decode(errors="replace") if data else "closed without an answer"), took
 
 
+def hold_unfinished(host: str, port: int, count: int = 1000, hold_s: float = 1.0) -> tuple[str, float]:
+    """``count`` connections, each with an unfinished head, held ``hold_s`` then closed; (outcome, seconds)."""
+    start = time.perf_counter()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            socks.append(socket.create_connection((host, port)))
+            socks[-1].sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Unfinished: ")
+        time.sleep(hold_s)
+    finally:
+        for sock in socks:
+            sock.close()
+    return f"{len(socks)} held open", time.perf_counter() - start
+
+
 def cases(value_mb: int) -> dict[str, list[bytes]]:
     big = b"a" * (1 << 20)
     return {
@@ -151,14 +169,19 @@ def main() -> None:
     parser.add_argument("--label", default="")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # 1,000 connections, here and in the server
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
     with tempfile.TemporaryDirectory(prefix="hostile-heads-") as workdir:
         server = Server(Path(workdir))
+        runs = {name: functools.partial(send_raw, server.host, server.port, parts)
+                for name, parts in cases(args.value_mb).items()}
+        runs["1,000 unfinished heads"] = functools.partial(hold_unfinished, server.host, server.port)
         try:
-            for name, parts in cases(args.value_mb).items():
+            for name, run in runs.items():
                 time.sleep(0.5)
                 baseline = server.rss()
                 with Watch(server) as watch:
-                    answer, took = send_raw(server.host, server.port, parts)
+                    answer, took = run()
                 rows.append({"case": name, "answer": answer, "seconds": round(took, 3),
                              "rss_growth_mib": round((watch.peak - baseline) / 2**20, 1),
                              "live_probes": len(watch.live_s),

@@ -35,7 +35,7 @@ its limits and the counting callback (uvicorn builds each protocol from its conf
 at most the head budget that is left while a head is being read; the parser's own events count the fields
 and the URL and say when a head is complete. A head that starts in the same read as the end of the previous
 request (a pipelining client) is counted from the next read, so it may hold one read (at most 256 KiB)
-more than the budget: still bounded.
+more than the budget: still bounded. Nothing behind a request that ends its connection is parsed (``_behind``).
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ class _Guard:
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refused = False
         """Set once the connection is refused: nothing more is parsed, what arrives is dropped."""
+        self._behind: int | None = None
+        """Bytes dropped unparsed behind the last request (``keep_alive`` false; None before it). h11 stops itself."""
 
     # ------------------------------------------------------------------ what each parser says
     def _reading_head(self) -> bool:
@@ -219,9 +221,11 @@ class _Guard:
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Every timer stops: uvicorn's keep-alive one, left running after a reset, kept request and answer alive."""
         self._cancel_timers()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
+        for timer in (self._linger_timer, self.timeout_keep_alive_task):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes | memoryview) -> None:
@@ -234,6 +238,9 @@ class _Guard:
         self._unset_keepalive_if_required()  # type: ignore[attr-defined]
         start = 0
         while start < size:
+            if self._behind is not None:
+                self._drop_behind(size - start)
+                break
             if not self._reading_head():
                 start += self._receive_body(memoryview(data)[start:size] if start or size < len(data) else data)
                 continue
@@ -255,6 +262,13 @@ class _Guard:
         all (a pipelined head after the body is counted from the next read)."""
         self._feed(data)
         return len(data)
+
+    def _drop_behind(self, nbytes: int) -> None:
+        """Up to the head budget is read behind the last request (a stray CRLF, a pipelined request), so that the
+        close after the answer is no reset (RFC 9112 9.6); then reading pauses, again if uvicorn's receive resumed."""
+        self._behind = (self._behind or 0) + nbytes
+        if self._behind > self.limits.max_head_bytes:
+            self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -391,13 +405,19 @@ if HttpToolsProtocol is not None:
                     self._unsupported_upgrade_warning()
                 return False
             except httptools.HttpParserError as exc:
-                self._refuse(self._callback_refusal or malformed(str(exc)))
+                if self._behind is None:  # else on_message_begin stopped the parser past the last request
+                    self._refuse(self._callback_refusal or malformed(str(exc)))
                 return False
             return not self._refused and not self.transport.is_closing()
 
         def _stop(self, refusal: Refusal) -> None:
             self._callback_refusal = refusal
             raise _StopParsing
+
+        def on_message_begin(self) -> None:  # none past the last (llhttp would go on after HTTP/1.0 keep-alive)
+            if self._behind is not None:
+                raise _StopParsing
+            super().on_message_begin()
 
         def on_url(self, url: bytes) -> None:
             if len(self.url) + len(url) > self.limits.max_url_bytes:
@@ -422,6 +442,7 @@ if HttpToolsProtocol is not None:
         def on_message_complete(self) -> None:
             self._in_body = False
             super().on_message_complete()
+            self._behind = None if self.cycle.keep_alive else 0  # the connection's last request: parse no more
 
 
 class _BoundedConnection(h11.Connection):

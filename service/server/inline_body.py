@@ -21,6 +21,8 @@ counted and dropped as it arrives (the guard's unread-body deadline still applie
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from typing import Any
 
 import httptools
@@ -62,10 +64,15 @@ class InlineBody:
     the protocol reads into ``window()``, else copied by ``add``. The application gets it as one ASGI message
     (``receive``: a copy, as ASGI's ``bytes``) or, through ``view``, as a read-only view (no copy)."""
 
-    __slots__ = ("buffer", "cycle", "delivered", "filled", "length", "wanted")
+    __slots__ = ("_cycle", "buffer", "delivered", "filled", "length", "wanted")
 
     def __init__(self, cycle: Any, length: int) -> None:
-        self.cycle = cycle
+        self._cycle = weakref.ref(cycle)
+        """Weak: the cycle holds this body (its ``receive``, its scope's extension), and a reference back made them
+        garbage only Python's cyclic collector frees: the cycle, this buffer and the transport with an answer not
+        yet sent outlived the connection (three rounds of clients that reset mid-answer grew the server by
+        hundreds of MiB). The cycle outlives every use of its body: the application runs inside the cycle's
+        ``run_asgi``, and the protocol keeps its current cycle while it feeds that cycle's body."""
         self.length = length
         self.buffer = memoryview(np.empty(length, np.uint8)).cast("B")
         self.filled = 0
@@ -74,6 +81,10 @@ class InlineBody:
         self.delivered = False
         cycle.receive = self.receive
         cycle.scope.setdefault("extensions", {})[INLINE_BODY] = self
+
+    @property
+    def cycle(self) -> Any:
+        return self._cycle()
 
     @property
     def complete(self) -> bool:
@@ -134,19 +145,35 @@ class InlineBody:
         return self.buffer.toreadonly()
 
 
+class _Scratch(threading.local):
+    """One scratch buffer per thread, shared by every connection its event loop serves.
+
+    Safe because a read is done before the next begins: the loop calls ``get_buffer``, reads into it and calls
+    ``buffer_updated`` in one step of its thread, and the guard's ``_received`` is done with the bytes when it
+    returns (llhttp keeps none; what the protocol keeps of them, URL, fields, body, it copies). A buffer per
+    connection cost 256 KiB each: 1,000 connections trickling a head grew the server by 257 MiB."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(READ_SIZE)
+        self.view = memoryview(self.buffer)
+
+
+_SCRATCH = _Scratch()
+
+
 class InlineReading:
     """What ``http_guard.HttpToolsGuard`` mixes in to take bodies inline, read as an ``asyncio.BufferedProtocol``:
-    reads of an inline body land in its buffer, the others in a scratch buffer handed to the guard's
-    ``_received`` (heads, and bodies the parser takes). Uses the guard's and uvicorn's protocol attributes."""
+    reads of an inline body land in its buffer, the others in the thread's scratch buffer (``_Scratch``) handed
+    to the guard's ``_received`` (heads, and bodies the parser takes). Uses the guard's and uvicorn's protocol
+    attributes."""
 
     _refused: bool
+    _behind: int | None
     parser: Any
 
     def _init_inline(self) -> None:
         self._inline: InlineBody | None = None
         """The body being taken past the parser, if any."""
-        self._scratch = bytearray(READ_SIZE)
-        self._scratch_view = memoryview(self._scratch)
         self._into_inline = False
 
     def _take_inline(self, cycle: Any, headers: list[tuple[bytes, bytes]]) -> None:
@@ -179,13 +206,15 @@ class InlineReading:
     def _inline_received(self, inline: InlineBody) -> None:
         if inline.complete:  # the parser, still waiting for this body, is replaced by a fresh one
             self.on_message_complete()
+            if self._behind is not None:  # the connection's last request (not kept alive): nothing more is parsed
+                return
             self.parser = httptools.HttpRequestParser(self)
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
 
     def get_buffer(self, sizehint: int) -> memoryview:
         window = None if self._inline is None or self._refused else self._inline.window()
         self._into_inline = window is not None
-        return window if window is not None else self._scratch_view
+        return window if window is not None else _SCRATCH.view
 
     def buffer_updated(self, nbytes: int) -> None:
         inline = self._inline
@@ -194,4 +223,4 @@ class InlineReading:
             self._inline_received(inline)
             self._sync_timers()  # type: ignore[attr-defined]
         else:
-            self._received(self._scratch, nbytes)  # type: ignore[attr-defined]
+            self._received(_SCRATCH.buffer, nbytes)  # type: ignore[attr-defined]

@@ -2,8 +2,10 @@
 exit code.
 
 Both listeners share one event loop (uvicorn's) and one dataplane: the gRPC server (``service.grpc``) starts
-once the HTTP listener is up, on ``grpc_port`` of the same host (``grpc_port`` None: no gRPC), and a port that
-cannot be bound stops the server with status 1. SIGTERM/SIGINT: readiness turns false at once
+once the HTTP listener is up, on ``grpc_port`` of the same host (``grpc_port`` None: no gRPC). The HTTP port is
+bound before the application starts (``bound_socket``), as the supervisor does with workers; a port that cannot
+be bound stops the server with status 1 and one line naming it and its setting (``cannot_listen``; gRPC's:
+``GrpcBindError``). SIGTERM/SIGINT: readiness turns false at once
 (``Lifecycle.begin_shutdown`` in the signal handler), both listeners stop accepting, in-flight requests and
 calls get up to ``shutdown_grace_s`` to finish (at the same time), then the model manager stops. A clean,
 signal-driven shutdown exits 0. After binding, one line ``listening on http://HOST:PORT`` (``https`` with
@@ -27,7 +29,7 @@ import uvicorn
 
 from service.api.app import create_app
 from service.api.lifecycle import Lifecycle
-from service.grpc.server import GrpcBindError, GrpcServer
+from service.grpc.server import GrpcBindError, GrpcServer, display_host
 from service.runtime.engine_process.devices import Device
 from service.server.balance import BalanceMiddleware, ConnectionBalancer
 from service.server.http_guard import GuardedConfig
@@ -38,6 +40,29 @@ from service.settings import ServiceSettings
 log = logging.getLogger("service.server")
 
 KEEP_ALIVE_S = 5
+PORT_HINT = "set SERVICE_PORT (or --port) to a free port (0: any free one)"
+"""What a server that cannot bind its HTTP port tells the operator (gRPC's: ``service.grpc.server.PORT_HINT``)."""
+
+
+def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not listening yet (the server listens once it has started), with
+    SO_REUSEADDR as asyncio's own servers; ``reuse_port``: SO_REUSEPORT too (workers sharing one port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    """The line of a server whose HTTP port cannot be bound: the address, why, and the setting to change."""
+    return f"cannot listen on {display_host(host)}:{port}: {exc.strerror or exc}; {PORT_HINT}"
 
 
 class _Server(uvicorn.Server):
@@ -59,9 +84,8 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.announce and self.started and getattr(self, "servers", None):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
             scheme = "https" if self.config.ssl_certfile else "http"
-            print(f"listening on {scheme}://{shown}:{port}", flush=True)
+            print(f"listening on {scheme}://{display_host(host)}:{port}", flush=True)
         if self.started and self.grpc is not None:
             try:
                 await self.grpc.start()
@@ -126,18 +150,25 @@ def uvicorn_config(
 
 
 def serve_single(settings: ServiceSettings, device: Device | None = None) -> int:
-    """One server process with its engines in this process. On a GPU (``device``), a GPU fault moves them to an
-    engine process started then (``server.engines.StandbyEngine``, ``registry.recovery``)."""
+    """One server process with its engines in this process; its port is bound before anything starts. On a GPU
+    (``device``), a GPU fault moves the engines to an engine process started then (``server.engines.StandbyEngine``,
+    ``registry.recovery``)."""
     from service.metrics import Metrics
     from service.registry.manager import ModelManager
     from service.server.engines import StandbyEngine
 
     configure_process(settings)
+    try:
+        sock = bound_socket(settings.host, settings.port)
+    except OSError as exc:
+        log.error("%s", cannot_listen(settings.host, settings.port, exc))
+        return 1
     standby = StandbyEngine(settings, device) if device is not None and device.ordinal is not None else None
     metrics = Metrics()
     manager = ModelManager(settings, metrics=metrics, relocate=standby.loader if standby is not None else None)
     try:
-        return run_server(settings, create_app(settings, manager, metrics=metrics))
+        with sock:
+            return run_server(settings, create_app(settings, manager, metrics=metrics), sockets=[sock])
     finally:
         if standby is not None:
             standby.stop()
@@ -147,14 +178,14 @@ def run_server(
     settings: ServiceSettings,
     app: Any,
     *,
-    sockets: list[socket.socket] | None = None,
+    sockets: list[socket.socket],
     announce: bool = True,
     balancer: ConnectionBalancer | None = None,
     grpc_reuse_port: bool = False,
 ) -> int:
-    """Run ``app`` on uvicorn until a signal stops it (on ``sockets`` when given, else bind host:port), with
-    gRPC on ``settings.grpc_port`` unless it is None (``grpc_reuse_port``: a worker sharing the supervisor's
-    reserved port). ``balancer``: this worker's share of the kept-alive HTTP connections."""
+    """Run ``app`` on uvicorn on the bound ``sockets`` until a signal stops it, with gRPC on
+    ``settings.grpc_port`` unless it is None (``grpc_reuse_port``: a worker sharing the supervisor's reserved
+    port). ``balancer``: this worker's share of the kept-alive HTTP connections."""
     served = app if balancer is None else BalanceMiddleware(app, balancer)
     grpc = None if settings.grpc_port is None else GrpcServer(settings, app.state.dataplane, reuse_port=grpc_reuse_port)
     config = uvicorn_config(settings, served, on_refused=app.state.metrics.refused_connection)
@@ -164,7 +195,7 @@ def run_server(
         balancer.bind(lambda: len(server.server_state.connections))
     try:
         server.run(sockets=sockets)
-    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
+    except SystemExit as exc:  # uvicorn exits this way when the application cannot start
         return exc.code if isinstance(exc.code, int) else 1
     finally:
         if balancer is not None:

@@ -75,7 +75,7 @@ from service.server.engines import (
     may_restart,
 )
 from service.server.process import configure_process, stop_when_orphaned
-from service.server.run import run_server
+from service.server.run import bound_socket, cannot_listen, run_server
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service.workers")
@@ -90,7 +90,7 @@ def serve_workers(settings: ServiceSettings, devices: Sequence[Device]) -> int:
     try:
         sock = reserve_port(settings.host, settings.port)
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
+        log.error("%s", cannot_listen(settings.host, settings.port, exc))
         return 1
     grpc_sock = None
     if settings.grpc_port is not None:
@@ -131,26 +131,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     A plain bind first: SO_REUSEPORT alone would let a second server of the same user share a port that
     is already served, splitting its connections between two servers without a word.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
+    with bound_socket(host, port) as probe:
         port = int(probe.getsockname()[1])
-    return reuseport_socket(host, port)
-
-
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket with SO_REUSEPORT, not listening (asyncio listens when the server starts)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return bound_socket(host, port, reuse_port=True)
 
 
 @dataclasses.dataclass
@@ -325,7 +308,7 @@ def _worker_main(
                      shared_memory=regions)
     log.info("worker %d (pid %d) loading models", index, os.getpid())
     stop_when_orphaned(lambda: os.kill(os.getpid(), signal.SIGTERM))  # drains as on the supervisor's SIGTERM
-    sock = reuseport_socket(host, port)  # listening starts once the app has started (see serve_before_ready)
+    sock = bound_socket(host, port, reuse_port=True)  # listens once the app has started (see serve_before_ready)
     balancer = ConnectionBalancer(connection_counts, index)
     sys.exit(run_server(settings, app, sockets=[sock], announce=False, balancer=balancer, grpc_reuse_port=True))
 

@@ -9,6 +9,7 @@ Deadlines with shortened values and both parsers: ``test_slow_clients.py``.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -142,6 +143,49 @@ def test_a_64_mib_header_value_costs_neither_memory_nor_time(server: Server) -> 
     growth_mib = (peak - baseline) / 2**20
     print(f"64 MiB header: answered after {took:.3f} s, RSS +{growth_mib:.1f} MiB, liveness {live_s * 1000:.1f} ms")
     assert took < 2.0 and growth_mib < 16 and live_s < 0.5, (took, growth_mib, live_s)
+
+
+def _allow_open_files(needed: int, *processes: psutil.Process) -> None:
+    """Raise the soft limit on open files of ``processes`` to ``needed`` where it is lower (skip past the hard one)."""
+    for process in processes:
+        soft, hard = process.rlimit(psutil.RLIMIT_NOFILE)
+        if soft != psutil.RLIM_INFINITY and soft < needed:
+            if hard != psutil.RLIM_INFINITY and hard < needed:
+                pytest.skip(f"{needed} open files needed, the hard limit is {hard}")
+            process.rlimit(psutil.RLIMIT_NOFILE, (needed, hard))
+
+
+def _established(process: psutil.Process, port: int) -> int:
+    return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+               for c in process.net_connections(kind="tcp"))
+
+
+def test_a_thousand_unfinished_heads_cost_kilobytes_each(server: Server) -> None:
+    """1,000 connections, each holding an unfinished head: the server grows by kilobytes a connection and answers
+    others at once (a read buffer of its own per connection, 256 KiB, had grown it by 257 MiB)."""
+    count = 1000
+    process = psutil.Process(server.pid)
+    _allow_open_files(count + 256, psutil.Process(), process)
+    _live_s(server)
+    baseline = process.memory_info().rss
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            socks.append(sock)
+            sock.sendall(LIVE + b"X-Unfinished: ")
+        deadline = time.monotonic() + 5
+        while _established(process, server.port) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _established(process, server.port) >= count
+        live_s = _live_s(server)  # the loop has gone round since: every head read
+        time.sleep(0.2)
+        growth_mib = (process.memory_info().rss - baseline) / 2**20
+    finally:
+        for sock in socks:
+            sock.close()
+    print(f"{count} unfinished heads: RSS +{growth_mib:.1f} MiB, liveness {live_s * 1000:.1f} ms")
+    assert growth_mib < 64 and live_s < 0.5, (growth_mib, live_s)
 
 
 def test_a_url_beyond_8_kib_is_414(server: Server) -> None:

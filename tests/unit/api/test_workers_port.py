@@ -1,4 +1,5 @@
-"""The supervisor's port reservation: a free port, never one another server already serves."""
+"""Binding the HTTP port: the supervisor reserves a free port, never one another server already serves; a port
+that cannot be bound stops the server, with or without workers, with exit 1 and a line naming it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import socket
 
 import pytest
 
-from service.server.supervisor import reserve_port, reuseport_socket
+from service.server.run import bound_socket
+from service.server.supervisor import reserve_port
 
 
 def test_a_port_already_served_with_reuseport_is_refused() -> None:
-    listener = reuseport_socket("127.0.0.1", 0)
+    listener = bound_socket("127.0.0.1", 0, reuse_port=True)
     listener.listen()
     port = listener.getsockname()[1]
     try:
@@ -23,7 +25,7 @@ def test_a_port_already_served_with_reuseport_is_refused() -> None:
 def test_workers_can_join_the_reserved_port() -> None:
     reserved = reserve_port("127.0.0.1", 0)
     port = reserved.getsockname()[1]
-    worker = reuseport_socket("127.0.0.1", port)
+    worker = bound_socket("127.0.0.1", port, reuse_port=True)
     worker.listen()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
@@ -35,7 +37,10 @@ def test_workers_can_join_the_reserved_port() -> None:
         reserved.close()
 
 
-def test_serve_with_workers_on_a_taken_port_exits_1_saying_why(tmp_path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_a_taken_port_exits_1_naming_the_port_and_its_setting(tmp_path, workers: str) -> None:
+    """One process binds its port itself, a supervisor reserves it: either way exit 1 and one line that names
+    the address and SERVICE_PORT, before any model is loaded."""
     import os
     import subprocess
     import sys
@@ -47,12 +52,14 @@ def test_serve_with_workers_on_a_taken_port_exits_1_saying_why(tmp_path) -> None
         holder.listen()
         port = holder.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
-        env.update(SERVICE_WORKERS="2", SERVICE_DEMO_MODEL="false", PYTHONPATH=str(root))
+        env.update(SERVICE_WORKERS=workers, SERVICE_DEMO_MODEL="false", SERVICE_GRPC_PORT="off", PYTHONPATH=str(root))
         command = [sys.executable, "-m", "service", "serve", "--port", str(port), "--model-dir", str(tmp_path)]
         proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    line = next((line for line in proc.stderr.splitlines() if f"cannot listen on 127.0.0.1:{port}" in line), "")
+    assert "in use" in line and "set SERVICE_PORT" in line, proc.stderr
+    assert "Traceback" not in proc.stderr and "Errno" not in proc.stderr, proc.stderr
+    assert "listening on" not in proc.stdout
 
 
 def test_restarts_are_limited_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
