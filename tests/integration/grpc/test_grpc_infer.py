@@ -156,3 +156,23 @@ def test_stream_reports_a_bad_request_in_the_stream_and_goes_on(live: ThreadedSe
         assert error is None and result.get_response().id == "good"
     finally:
         g.stop_stream()
+
+
+def test_a_failed_stream_request_is_answered_with_its_id(live: ThreadedServer) -> None:
+    """Triton's stream answers a failed request with ``error_message`` and the request's ``id`` (tritonclient's
+    callback drops the id of an error, so a raw stream): a client can tell which request failed."""
+    def request(rid: str, x: np.ndarray) -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name="tiny", id=rid)
+        message.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+        message.raw_input_contents.append(x.tobytes())
+        return message
+
+    sent = [request("good-1", sample()), request("bad", np.zeros((1, 3, 4, 4), np.float32)),
+            request("good-2", sample(2))]
+    with grpc.insecure_channel(live.grpc_target) as channel:
+        answers = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(sent), timeout=30))
+    by_id = {answer.infer_response.id: answer for answer in answers}
+    assert sorted(by_id) == ["bad", "good-1", "good-2"]
+    assert "expected shape [-1, 3, 8, 8], received [1, 3, 4, 4]" in by_id["bad"].error_message
+    assert not by_id["bad"].infer_response.outputs
+    assert by_id["good-1"].error_message == "" and by_id["good-2"].infer_response.outputs[0].shape[0] == 2
