@@ -5,15 +5,18 @@ graph."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from builders import reference
+from grpc_kit import put_model
 from threaded_server import ThreadedServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -176,3 +179,17 @@ def test_a_failed_stream_request_is_answered_with_its_id(live: ThreadedServer) -
     assert "expected shape [-1, 3, 8, 8], received [1, 3, 4, 4]" in by_id["bad"].error_message
     assert not by_id["bad"].infer_response.outputs
     assert by_id["good-1"].error_message == "" and by_id["good-2"].infer_response.outputs[0].shape[0] == 2
+
+
+def test_the_grpc_config_as_tritonclient_gives_it_uploads_unchanged(fresh: ThreadedServer, tiny_bytes: bytes) -> None:
+    """``get_model_config(as_json=True)`` wraps Triton's config in ``{"config": ...}`` (the ModelConfigResponse,
+    64-bit integers as strings): uploaded unchanged, it gives the same config."""
+    put_model(fresh.url, "net", tiny_bytes, config=json.dumps(
+        {"max_batch_size": 4, "max_delay_ms": 0.3, "buckets": [1, 2, 4], "description": "the tiny test model"}))
+    g = grpcclient.InferenceServerClient(fresh.grpc_target)
+    shown = g.get_model_config("net", as_json=True)
+    assert list(shown) == ["config"] and shown["config"]["dynamic_batching"]["max_queue_delay_microseconds"] == "300"
+    put_model(fresh.url, "net", tiny_bytes, config=json.dumps(shown))
+    assert g.get_model_config("net", "2", as_json=True) == shown
+    first, second = (v["config"] for v in httpx.get(f"{fresh.url}/v1/models/net").json()["versions"])
+    assert second == first
