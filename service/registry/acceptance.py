@@ -28,6 +28,7 @@ from onnx import AttributeProto, TensorProto
 
 from service.errors import BadRequestError, InvalidModelError, printable
 from service.optimizer.io import parse_model_bytes
+from service.optimizer.ir_version import servable
 from service.registry import intervals
 from service.registry.value_bounds import ValueBounds
 from service.runtime.contract import MAX_FIXED_ELEMENTS, ONNX_TO_NUMPY
@@ -104,8 +105,10 @@ def validate_new_model_name(name: object) -> str:
 
 def accepted_model(data: bytes) -> onnx.ModelProto:
     """The bytes of a model file as the model that will be optimized and served, or InvalidModelError with
-    the message a client (or the CLI's user) gets. Nothing it names is opened: no external data."""
-    model = parse_model_bytes(data)
+    the message a client (or the CLI's user) gets. Nothing it names is opened: no external data. An IR
+    version newer than ONNX Runtime reads is lowered where nothing in the model needs it
+    (``optimizer.ir_version``), before the rules below check the model at its new version."""
+    model = servable(parse_model_bytes(data))
     validate_model(model)
     return model
 
