@@ -19,10 +19,28 @@ ARG BASE_IMAGE=nvidia/cuda:13.0.3-cudnn-runtime-ubuntu24.04
 # generations (A100, A10/RTX 30, L4/RTX 40, H100/H200); the library links the CUDA runtime statically.
 ARG KERNELS_IMAGE=nvidia/cuda:13.0.3-devel-ubuntu24.04
 ARG KERNEL_ARCHS=80,86,89,90
+# ONNX Runtime's C/C++ headers come from one pinned Debian archive, checked by size and sha256
+# (kernels/ort_headers.py), fetched where ORT_HEADERS_URL says (a build argument) or else from the first
+# Debian mirror of the fetching stage's own apt sources: a Debian image's, since the toolkit image is Ubuntu's.
+ARG HEADERS_IMAGE=debian:trixie-slim
+ARG ORT_HEADERS_URL=
 
 # ---------------------------------------------------------------------------------------------
-# Kernels: libonnxcnn_ops.so, the ai.onnxcnn fused operators. ONNX Runtime's headers come from one
-# pinned Debian archive, checked by size and sha256 (kernels/ort_headers.py); nothing else is fetched.
+# ONNX Runtime's headers for the kernels (nothing else is fetched; only the include folder is kept).
+# ---------------------------------------------------------------------------------------------
+FROM ${HEADERS_IMAGE} AS ort-headers
+ARG ORT_HEADERS_URL
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY kernels ./kernels
+RUN python3 -m kernels.ort_headers /opt/ort-include
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: libonnxcnn_ops.so, the ai.onnxcnn fused operators, built against those headers.
 # ---------------------------------------------------------------------------------------------
 FROM ${KERNELS_IMAGE} AS kernels
 ARG KERNEL_ARCHS
@@ -33,8 +51,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY kernels ./kernels
-RUN python3 -m kernels.build --archs "${KERNEL_ARCHS}" --out-dir /opt/onnxcnn \
-    && rm -rf /opt/onnxcnn/ort-include
+COPY --from=ort-headers /opt/ort-include /opt/ort-include
+RUN python3 -m kernels.build --archs "${KERNEL_ARCHS}" --out-dir /opt/onnxcnn --headers /opt/ort-include --no-fetch
 
 # ---------------------------------------------------------------------------------------------
 # Builder: a virtual environment in /opt/venv with the dependencies, then the package.

@@ -165,8 +165,9 @@ def _one_file(export: Path) -> tuple[bytes, bool]:
     """The export as one self-contained file, and whether its weights had to be brought in.
 
     The dynamo exporter writes the weights beside the graph (``model.onnx.data``) by default; the upload
-    takes one file and refuses external data with a clear message (the CLI reads both), so such an export is
-    uploaded with its weights inlined: the same model, as a user following that message would send it."""
+    takes one file and refuses external data with a clear message (the CLI too, with the same one), so such an
+    export is uploaded with its weights inlined: the same model, as a user following that message would send
+    it."""
     import onnx
 
     model = onnx.load(str(export), load_external_data=False)

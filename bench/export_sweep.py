@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 from bench import common, export_models  # noqa: E402
 from bench.export_models import DETECTORS, GROUPS, TIMM_MODELS, family  # noqa: E402,F401  (the catalog)
-from bench.export_serve import Server  # noqa: E402
+from bench.export_serve import Server, _one_file  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 EXPORTER = ROOT / "bench" / "export_models.py"
@@ -88,10 +88,23 @@ def _export(args: argparse.Namespace, name: str, variant: str, path: Path) -> st
     return None
 
 
+def _self_contained(src: Path) -> tuple[Path, bool]:
+    """The export as one file, and whether its weights had to be brought in: the CLI refuses external data
+    as the upload does (same check, same message), so a dynamo export is given to it inlined, as a user
+    following that message would (``export_serve._one_file``)."""
+    data, inlined = _one_file(src)
+    if not inlined:
+        return src, False
+    whole = src.with_suffix(".whole.onnx")
+    whole.write_bytes(data)
+    return whole, True
+
+
 def _optimize(args: argparse.Namespace, src: Path, fused_conv: bool) -> dict:
     """Run the CLI exactly as an outsider would (this checkout's ``service``) and classify the outcome."""
     out = src.with_suffix(".opt.onnx" if fused_conv else ".opt-nofc.onnx")
-    cmd = [args.service_python, "-m", "service", "optimize", str(src), str(out), "--json"]
+    given, inlined = _self_contained(src)
+    cmd = [args.service_python, "-m", "service", "optimize", str(given), str(out), "--json"]
     if not fused_conv:
         cmd.append("--no-fused-conv")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -100,7 +113,7 @@ def _optimize(args: argparse.Namespace, src: Path, fused_conv: bool) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "seconds": round(time.perf_counter() - started, 1)}
-    row: dict = {"seconds": round(time.perf_counter() - started, 1)}
+    row: dict = {"seconds": round(time.perf_counter() - started, 1), **({"cli_inlined": True} if inlined else {})}
     if "Traceback" in proc.stderr:
         row.update(status="crash", error=scrub_paths(proc.stderr.strip())[-1500:])
     elif proc.returncode != 0:

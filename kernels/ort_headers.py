@@ -9,8 +9,12 @@ installed and nothing third-party is committed: the headers live in ``kernels/bu
 by git), and a machine without network (the GPU machine) gets that folder carried along, or
 ``--headers DIR`` / ``$ORT_INCLUDE_DIR`` names another copy.
 
-Where from, in order: ``$ORT_HEADERS_URL`` (another URL of the same file) if set, the Debian mirror of this
-machine's apt sources if any, then ``http://deb.debian.org/debian``. Whatever the URL, the hash must match.
+Where from, in order, and nowhere else: ``$ORT_HEADERS_URL`` (a URL of the same file: ``http(s)://`` or
+``file://``) if set, then the first Debian mirror of this machine's own apt sources (``/etc/apt/sources.list``,
+``/etc/apt/sources.list.d/*.list`` and ``*.sources``). No server is built in: a machine whose sources name no
+Debian mirror (Ubuntu's, say) sets ``$ORT_HEADERS_URL``, carries the folder or passes ``--headers DIR``; the
+Docker image fetches them in a Debian stage, from that image's own sources. Whatever the URL, the hash must
+match. ``python -m kernels.ort_headers DEST`` fetches them alone (the Docker image's headers stage).
 
 API versions: the headers declare ``ORT_API_VERSION`` (21 for 1.21); the library asks the runtime for
 exactly that version, which any onnxruntime >= 1.21 serves (ONNX Runtime's C API is versioned and kept
@@ -38,13 +42,14 @@ FILENAME = f"{PACKAGE}_{VERSION}_amd64.deb"  # Multi-Arch: same, so its headers 
 POOL_PATH = f"pool/main/o/onnxruntime/{FILENAME}"
 SIZE = 85_340
 SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
 URL_ENV = "ORT_HEADERS_URL"
 TIMEOUT_S = 60
 INCLUDE = ("usr", "include", "onnxruntime")  # the folder of the package that is kept
 HEADER = "onnxruntime_c_api.h"
 REQUIRED = (HEADER, "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h")
 SYSTEM_SOURCES = (Path("/etc/apt/sources.list"), Path("/etc/apt/sources.list.d"))
+MIRROR_SCHEMES = ("http://", "https://", "file:")
+"""The mirror URIs of apt sources that ``urllib`` reads (not ``mirror+file:``, ``cdrom:`` or ``tor+http:``)."""
 
 Download = Callable[[str], bytes]
 
@@ -88,38 +93,32 @@ def is_complete(include_dir: Path) -> bool:
     return all((include_dir / name).is_file() for name in REQUIRED)
 
 
-def debian_source(texts: Sequence[str]) -> tuple[str, str | None] | None:
-    """``(mirror URI, Signed-By keyring or None)`` of the first Debian archive in apt source texts.
+def debian_mirror(texts: Sequence[str]) -> str | None:
+    """The URI of the first Debian archive in apt source texts that ``urllib`` can read, or None.
 
-    Reads both formats: deb822 (``URIs:`` / ``Signed-By:`` stanzas) and one-line ``deb [opts] URI suite``.
-    Security and update archives are skipped: they do not carry the release's packages.
+    Reads both formats: deb822 (``URIs:`` stanzas) and one-line ``deb [opts] URI suite``. Security and update
+    archives are skipped: they do not carry the release's packages.
     """
     for text in texts:
-        for uri, keyring in _deb822_entries(text) + _one_line_entries(text):
-            if "security" not in uri and "/debian" in uri:
-                return uri.rstrip("/"), keyring
+        for uri in _deb822_entries(text) + _one_line_entries(text):
+            if "security" not in uri and "/debian" in uri and uri.startswith(MIRROR_SCHEMES):
+                return uri.rstrip("/")
     return None
 
 
-def _deb822_entries(text: str) -> list[tuple[str, str | None]]:
+def _deb822_entries(text: str) -> list[str]:
     entries = []
     for stanza in re.split(r"\n\s*\n", text):
         fields = dict(re.findall(r"^([A-Za-z-]+):\s*(.*?)\s*$", stanza, re.MULTILINE))
         if "deb" not in fields.get("Types", "").split() or fields.get("Enabled", "yes") == "no":
             continue
-        entries += [(uri, fields.get("Signed-By") or None) for uri in fields.get("URIs", "").split()]
+        entries += fields.get("URIs", "").split()
     return entries
 
 
-def _one_line_entries(text: str) -> list[tuple[str, str | None]]:
-    entries = []
-    for line in text.splitlines():
-        found = re.match(r"^\s*deb\s+(?:\[([^\]]*)\]\s+)?(\S+)\s+\S+", line)
-        if found:
-            options, uri = found.group(1) or "", found.group(2)
-            keyring = re.search(r"signed-by=(\S+)", options)
-            entries.append((uri, keyring.group(1) if keyring else None))
-    return entries
+def _one_line_entries(text: str) -> list[str]:
+    return [found.group(1) for line in text.splitlines()
+            if (found := re.match(r"^\s*deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+\S+", line))]
 
 
 def system_source_texts(paths: Sequence[Path] = SYSTEM_SOURCES) -> list[str]:
@@ -141,11 +140,15 @@ def download_url(url: str) -> bytes:
 
 
 def candidate_urls(texts: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """Where to look for ``FILENAME``, in order: ``$ORT_HEADERS_URL``, the apt sources' mirror, deb.debian.org."""
+    """Where to look for ``FILENAME``, in order: ``$ORT_HEADERS_URL``, the apt sources' first Debian mirror;
+    HeaderError when there is neither (no server is built in)."""
     urls = [env[URL_ENV]] if env.get(URL_ENV) else []
-    source = debian_source(texts)
-    mirrors = [source[0]] if source and source[0].startswith(("http://", "https://")) else []
-    urls += [f"{mirror}/{POOL_PATH}" for mirror in [*mirrors, DEFAULT_MIRROR]]
+    mirror = debian_mirror(texts)
+    urls += [f"{mirror}/{POOL_PATH}"] if mirror else []
+    if not urls:
+        raise HeaderError(f"nowhere to download {FILENAME} from: this machine's apt sources name no Debian mirror "
+                          f"and ${URL_ENV} is not set; set it to a copy of that file (e.g. in a Debian mirror's "
+                          f"{POOL_PATH}), or pass --headers DIR")
     return list(dict.fromkeys(urls))
 
 
@@ -248,15 +251,16 @@ def fetch(
     dest: Path,
     *,
     download: Download = download_url,
-    texts: Sequence[str] | None = None,
+    sources: Sequence[Path] = SYSTEM_SOURCES,
     env: Mapping[str, str] | None = None,
 ) -> Path:
-    """Download the pinned package from the first URL that serves it intact, unpack its headers into ``dest``.
+    """Download the pinned package from the first URL that serves it intact (``candidate_urls`` of the apt
+    ``sources`` files and ``env``), unpack its headers into ``dest``.
 
     The 85 KB file is held in memory and the headers are staged next to ``dest``. Raises HeaderError naming
     every URL tried and why it failed.
     """
-    urls = candidate_urls(system_source_texts() if texts is None else texts, os.environ if env is None else env)
+    urls = candidate_urls(system_source_texts(sources), os.environ if env is None else env)
     failures = []
     for url in urls:
         try:
@@ -286,3 +290,23 @@ def resolve(explicit: Path | None, default: Path, *, allow_fetch: bool = True) -
         raise HeaderError(f"no ONNX Runtime headers in {default.name} and fetching is off: run python -m kernels.build "
                           "on a machine with network first and carry kernels/build/ort-include, or pass --headers DIR")
     return fetch(default)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kernels.ort_headers DEST``: the headers in DEST (fetched unless complete there already)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.ort_headers", description=main.__doc__)
+    parser.add_argument("dest", type=Path, help="the include folder to fill")
+    args = parser.parse_args(argv)
+    try:
+        print(resolve(None, args.dest))
+    except HeaderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

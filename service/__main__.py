@@ -27,12 +27,17 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     from service.errors import ServiceError
     from service.optimizer import OptimizerConfig, optimize
-    from service.optimizer.io import load_model_file, save_model_file
-    from service.registry.acceptance import validate_model
+    from service.optimizer.io import save_model_file
+    from service.registry.acceptance import accepted_model
 
     try:
-        model = load_model_file(Path(args.input), external_data=True)
-        validate_model(model)  # the upload's acceptance rules: the CLI refuses what the server would
+        data = Path(args.input).read_bytes()
+    except OSError as exc:
+        print(f"error: cannot read {args.input}: {exc.strerror}", file=sys.stderr)
+        return 1
+    try:
+        model = accepted_model(data)  # the upload's own check: the CLI refuses what the server would, as it would
+        del data
         optimized, report = optimize(model, OptimizerConfig(fused_conv=args.fused_conv, verify=not args.no_verify))
     except ServiceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

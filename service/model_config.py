@@ -14,7 +14,9 @@ served graph, so it is part of the optimizer's cache key (``EffectiveConfig.grap
 One vocabulary: what a server shows of a version's config can be uploaded unchanged as the config of a new
 one. ``GET /v1/models/{name}`` shows ``EffectiveConfig.to_dict()``, a ``ModelConfig`` with every key set
 (the labels counted, ``postprocess.label_count``); ``GET /v2/models/{name}/config`` shows Triton's model
-config, with the other keys as Triton ``parameters``, which ``ModelConfig`` reads back (``from_triton``).
+config, with the other keys as Triton ``parameters``, which ``ModelConfig`` reads back (``from_triton``), also
+inside the ``{"config": ...}`` that ``tritonclient.grpc`` returns; a label count without labels is dropped
+(``settled``), so what GET shows of a classifier uploads without its labels too.
 Names of earlier releases (``DEPRECATED``) are still read, with one warning per config that uses them.
 """
 
@@ -106,6 +108,7 @@ class ModelConfig(BaseModel):
         """Triton's shape and the deprecated keys, read as the keys above (see the module's docstring)."""
         if not isinstance(data, dict):
             return data
+        data = _unwrapped(data)
         if TRITON_KEYS & data.keys():
             data = from_triton(data)
         return _renamed(data)
@@ -118,13 +121,14 @@ class ModelConfig(BaseModel):
             data["postprocess"] = self.postprocess.model_dump(mode="json", exclude={"labels"})
         return data
 
-    def check_complete(self) -> None:
-        """ValueError when the config counts labels that were not given (``postprocess.label_count`` alone)."""
+    def settled(self) -> ModelConfig:
+        """The config an upload keeps once every field of it was read: a ``postprocess.label_count`` that no
+        labels came with (what GET shows of a classifier, uploaded back without its labels file) counts
+        nothing, so it goes, and the version reports class indices. Labels travel only as labels."""
         post = self.postprocess
-        if post is not None and post.awaiting_labels:
-            raise ValueError(f"postprocess.label_count is {post.label_count}, but no labels were given: send them "
-                             "(the labels field of a multipart upload; GET /v1/models/{name}/labels lists a model's) "
-                             "or leave label_count out")
+        if post is None or not post.awaiting_labels:
+            return self
+        return self.model_copy(update={"postprocess": post.model_copy(update={"label_count": None})})
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that were set (JSON-able), as stored in the metadata. ``preprocess`` and
@@ -171,6 +175,13 @@ class ModelConfig(BaseModel):
 
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _unwrapped(data: dict[str, Any]) -> dict[str, Any]:
+    """Triton's model config inside the ``{"config": {...}}`` of a ``ModelConfigResponse`` (what
+    ``tritonclient.grpc``'s ``get_model_config(as_json=True)`` returns) as the config itself."""
+    inner = data.get("config")
+    return inner if data.keys() == {"config"} and isinstance(inner, dict) else data
 
 
 def _renamed(data: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,9 @@ statistics and error texts, mapped to gRPC status codes (``errors``). Specifics 
   ``is_model_ready`` returns for REST's 404 and 503); a malformed name is INVALID_ARGUMENT.
 * ``ModelStreamInfer`` runs the requests of one stream concurrently (at most ``STREAM_IN_FLIGHT`` at once:
   beyond, the stream is not read until one is answered) and answers each as it finishes; a failed request is
-  answered in the stream with ``error_message`` and the stream goes on, as Triton does. The client matches
-  answers by ``id``. When the client cancels or the call ends, every request still queued is cancelled, which
-  frees its place in the batching queue.
+  answered in the stream with ``error_message`` and its ``id`` and the stream goes on, as Triton does. The
+  client matches answers by ``id``. When the client cancels or the call ends, every request still queued is
+  cancelled, which frees its place in the batching queue.
 * A cancelled unary call cancels its handler, and so its place in the batching queue, the same way.
 * The shared-memory RPCs are REST's routes (``api.shm``) call for call, the caller's address from
   ``context.peer()`` (``ipv4:``, ``ipv6:`` or ``unix:``); trace and logging answer UNIMPLEMENTED with REST's
@@ -182,11 +182,13 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             yield answer
 
     async def stream_answer(self, request: Any) -> Any:
-        """One request of a stream: its response, or its error in ``error_message``."""
+        """One request of a stream: its response, or its error in ``error_message`` with the request's ``id``
+        in an otherwise empty ``infer_response`` (as Triton answers), so the client knows which one failed."""
         try:
             return pb.ModelStreamInferResponse(infer_response=await self._infer(request, "v2_stream_infer"))
         except Exception as exc:
-            return pb.ModelStreamInferResponse(error_message=message_of(exc))
+            return pb.ModelStreamInferResponse(error_message=message_of(exc),
+                                               infer_response=pb.ModelInferResponse(id=request.id))
 
     # ------------------------------------------------------------------ extensions
     @_answers

@@ -210,14 +210,16 @@ class Postprocess(BaseModel):
     label_count: int | None = Field(
         None, ge=0, le=MAX_LABELS,
         description="How many labels there are: what GET shows instead of the labels (GET .../labels lists "
-        "them). Sent with an upload, it must match the labels given; 0 or null: none.",
+        "them). Sent with an upload, it must match the labels given; sent without labels, it is dropped (the "
+        "version reports class indices); 0 or null: none.",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _count_labels(cls, data: object) -> object:
         """``label_count`` always says how many ``labels`` there are; a count sent without the labels stays
-        (``awaiting_labels``) until a labels file supplies them."""
+        (``awaiting_labels``) until a labels file supplies them, or the upload drops it
+        (``ModelConfig.settled``)."""
         if not isinstance(data, dict):
             return data
         labels, count = data.get("labels"), data.get("label_count")

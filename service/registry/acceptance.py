@@ -10,8 +10,8 @@ ones that only go off for some request values (``ConstantOfShape`` of a number t
 refused here, because they would go off in the server itself, at inference time: a size or trip count
 taken from request values must have a bound (``SIZE_INPUTS``, ``registry.value_bounds``).
 
-The CLI (``python -m service optimize``) applies ``validate_model`` too: one rule for a file, however it
-arrives.
+``accepted_model`` is the one check of a model file, however it arrives: the upload's sandboxed child and the
+CLI (``python -m service optimize``) both call it, so they refuse the same files with the same message.
 
 ``validate_model_name`` keeps names safe to use as one path component: the store still resolves and checks
 every path it builds.
@@ -27,6 +27,8 @@ import onnx
 from onnx import AttributeProto, TensorProto
 
 from service.errors import BadRequestError, InvalidModelError, printable
+from service.optimizer.io import parse_model_bytes
+from service.optimizer.ir_version import servable
 from service.registry import intervals
 from service.registry.value_bounds import ValueBounds
 from service.runtime.contract import MAX_FIXED_ELEMENTS, ONNX_TO_NUMPY
@@ -99,6 +101,16 @@ def validate_new_model_name(name: object) -> str:
         raise BadRequestError(f"the model name {checked!r} is reserved: GET /v2/models/{checked} is Triton's "
                               "statistics extension")
     return checked
+
+
+def accepted_model(data: bytes) -> onnx.ModelProto:
+    """The bytes of a model file as the model that will be optimized and served, or InvalidModelError with
+    the message a client (or the CLI's user) gets. Nothing it names is opened: no external data. An IR
+    version newer than ONNX Runtime reads is lowered where nothing in the model needs it
+    (``optimizer.ir_version``), before the rules below check the model at its new version."""
+    model = servable(parse_model_bytes(data))
+    validate_model(model)
+    return model
 
 
 def validate_model(model: onnx.ModelProto) -> None:
@@ -217,8 +229,8 @@ def _check_attribute(attr: AttributeProto, label: str) -> None:
 def _no_external_data(tensor: TensorProto, what: str) -> None:
     if tensor.data_location == TensorProto.EXTERNAL or len(tensor.external_data):
         raise InvalidModelError(
-            f"{what} refers to external data; external data files are not accepted: "
-            "upload one self-contained .onnx file"
+            f"{what} refers to external data; external data files are not accepted: give one self-contained "
+            ".onnx file (onnx.save_model(onnx.load(path), out) writes the weights into it)"
         )
 
 

@@ -318,18 +318,16 @@ def _job(
     import hashlib
 
     from service.imaging.config import Preprocess
-    from service.optimizer.io import parse_model_bytes
     from service.optimizer.verify_shared import shared_reference_runs
-    from service.registry.acceptance import validate_model
+    from service.registry.acceptance import accepted_model
     from service.registry.image_config import check_labels, image_normalization
     from service.registry.variants import optimize_variants
     from service.runtime.contract import Signature
 
     data = source.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    model = parse_model_bytes(data)
+    model = accepted_model(data)
     del data
-    validate_model(model)
     uploaded = Signature.from_onnx(model)
     normalization = image_normalization(uploaded, None if preprocess is None else Preprocess.model_validate_json(
         preprocess))

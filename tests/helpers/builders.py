@@ -226,6 +226,13 @@ def external(tensor: TensorProto, location: str) -> TensorProto:
     return tensor
 
 
+def newest_ir(model: bytes, opset: int = 17) -> bytes:
+    """``model``'s graph as ``onnx.helper.make_model`` writes it when given no ``ir_version``: onnx's newest IR
+    version (14 with onnx 1.23, newer than ONNX Runtime 1.31 reads), at ``opset``."""
+    graph = onnx.load_from_string(model).graph
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+
+
 def external_initializer(location: str) -> bytes:
     w = external(numpy_helper.from_array(np.ones(4, np.float32), "w"), location)
     return _add_model([helper.make_node("Add", ["x", "w"], ["y"])], [w]).SerializeToString()

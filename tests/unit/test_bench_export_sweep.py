@@ -196,3 +196,6 @@ def test_weights_written_beside_the_graph_are_inlined_for_the_upload(tmp_path: P
     y = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": np.ones((1, 8), np.float32)})
     np.testing.assert_array_equal(y[0], np.ones((1, 8), np.float32) @ numpy_helper.to_array(weight))
     assert export_serve._one_file(tmp_path / "whole.onnx") == ((tmp_path / "whole.onnx").read_bytes(), False)
+    given, inlined = export_sweep._self_contained(tmp_path / "split.onnx")  # what the CLI is given
+    assert inlined and given.read_bytes() == data
+    assert export_sweep._self_contained(tmp_path / "whole.onnx") == (tmp_path / "whole.onnx", False)

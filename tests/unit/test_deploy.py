@@ -27,6 +27,24 @@ COMPOSE = ROOT / "docker" / "compose.yaml"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 
+def test_the_headers_come_from_a_debian_stage_own_sources_or_the_build_argument(
+    instructions: list[tuple[str, str]],
+) -> None:
+    """The toolkit image is Ubuntu's, whose apt sources name no Debian mirror, and kernels/ort_headers.py has no
+    built-in server: the headers are fetched in a Debian stage (its own sources, or ORT_HEADERS_URL passed as a
+    build argument) and the kernels stage builds with them, fetching nothing."""
+    stages = [a for w, a in instructions if w == "FROM"]
+    assert "${HEADERS_IMAGE} AS ort-headers" in stages
+    assert stages.index("${HEADERS_IMAGE} AS ort-headers") < next(i for i, a in enumerate(stages) if "AS kernels" in a)
+    image = next(a for w, a in instructions if w == "ARG" and a.startswith("HEADERS_IMAGE="))
+    assert re.fullmatch(r"HEADERS_IMAGE=debian:[a-z]+-slim", image), image
+    assert ("ARG", "ORT_HEADERS_URL=") in instructions and ("ARG", "ORT_HEADERS_URL") in instructions
+    assert any(w == "RUN" and a.endswith("python3 -m kernels.ort_headers /opt/ort-include") for w, a in instructions)
+    assert ("COPY", "--from=ort-headers /opt/ort-include /opt/ort-include") in instructions
+    build = next(a for w, a in instructions if w == "RUN" and "kernels.build" in a)
+    assert "--headers /opt/ort-include" in build and "--no-fetch" in build
+
+
 # ----------------------------------------------------------------------------- Dockerfile parsing
 
 

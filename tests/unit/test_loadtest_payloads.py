@@ -122,3 +122,17 @@ def test_grpc_request_and_response_check(lf) -> None:
     metadata.inputs.add(name="input", datatype="FP32", shape=[-1, 3, 4, 4])
     metadata.outputs.add(name="output", datatype="FP32", shape=[-1, 10])
     assert lf.parse_metadata(lf.grpc_metadata(metadata)) == info
+
+
+def test_the_readme_lists_every_user_of_the_locustfile_and_counts_them() -> None:
+    """loadtests/README.md names each user class of locustfile.py once in its table, and says how many there are
+    (it said "four kinds of traffic" and listed three)."""
+    import re
+
+    source = (ROOT / "loadtests" / "locustfile.py").read_text(encoding="utf-8")
+    users = re.findall(r"^class ([A-Z]\w*User)\(", source, re.M)
+    readme = (ROOT / "loadtests" / "README.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(\w+User)` \|", readme, re.M)
+    assert sorted(listed) == sorted(users), (listed, users)
+    words = {2: "two", 3: "three", 4: "four", 5: "five"}
+    assert f"with {words[len(users)]} kinds of users" in readme

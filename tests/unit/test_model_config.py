@@ -164,3 +164,14 @@ def test_triton_configs_as_grpc_json_writes_them_are_read():
     config = ModelConfig.model_validate(grpc_json)
     assert (config.max_batch_size, config.max_delay_ms, config.buckets) == (None, 1.5, (1, 8))
     assert config.description == "plain text"
+
+
+def test_tritonclient_grpcs_config_wrapper_is_read_and_nothing_beside_it():
+    """``get_model_config(as_json=True)`` over gRPC gives ``{"config": {...}}``: the config inside is read; the
+    wrapper with anything else beside it, or around no object, is an unknown key as before."""
+    inner = {"name": "m", "max_batch_size": 4, "dynamic_batching": {"max_queue_delay_microseconds": "300"}}
+    config = ModelConfig.model_validate({"config": inner})
+    assert (config.max_batch_size, config.max_delay_ms) == (4, 0.3)
+    for wrapped in ({"config": inner, "queue_size": 3}, {"config": 4}):
+        with pytest.raises(ValidationError, match="config"):
+            ModelConfig.model_validate(wrapped)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 
+import builders
 import httpx
 import image_kit
+import images
 import pytest
 from api_kit import AUTH, OCTET, upload
 
@@ -58,15 +60,30 @@ async def test_a_classifier_round_trips_with_its_labels(fresh: httpx.AsyncClient
     (shown,) = await _configs(fresh, "cls")
     assert shown["postprocess"] == {"softmax": True, "top_k": 5, "label_count": 10}
     labels = (await fresh.get("/v1/models/cls/labels", headers={"accept": "text/plain"})).text
-    alone = await _post(fresh, "cls", model, shown)  # counted labels, none sent: say where they are
-    assert alone.status_code == 422 and "label_count" in alone.json()["error"], alone.text
-    assert "labels" in alone.json()["error"]
     wrong = await _post(fresh, "cls", model, shown, labels="a\nb\n")
     assert wrong.status_code == 422 and "label_count is 10, but 2 labels" in wrong.json()["error"], wrong.text
     r = await _post(fresh, "cls", model, shown, labels=labels)
     assert r.status_code == 201, r.text
     assert await _configs(fresh, "cls") == [shown, shown]
     assert (await fresh.get("/v1/models/cls/versions/2/labels")).json()["labels"] == list(image_kit.LABELS)
+
+
+async def test_a_classifiers_shown_config_uploads_unchanged_with_another_classifier(fresh: httpx.AsyncClient) -> None:
+    """What GET shows of a classifier (its labels counted, not listed) uploads unchanged without the labels, also
+    with a classifier of another class count: the count counts no labels, so the new model reports indices."""
+    await upload(fresh, "cls", image_kit.classifier(), image_kit.CONFIG)
+    (shown,) = await _configs(fresh, "cls")
+    assert shown["postprocess"]["label_count"] == 10
+    other = builders.tiny_cnn(seed=3, classes=7)
+    r = await _post(fresh, "other", other, shown)
+    assert r.status_code == 201, r.text
+    (taken,) = await _configs(fresh, "other")
+    assert taken == {**shown, "postprocess": {**shown["postprocess"], "label_count": None}}
+    assert (await fresh.get("/v1/models/other/labels")).status_code == 404
+    r = await fresh.post("/predict", params={"model": "other"}, content=images.jpeg(40, 30),
+                         headers={"content-type": "image/jpeg"})
+    assert r.status_code == 200, r.text
+    assert [sorted(p) for p in r.json()["predictions"][0]] == [["index", "score"]] * 5  # indices, no labels
 
 
 async def test_deprecated_names_are_read_with_one_warning(

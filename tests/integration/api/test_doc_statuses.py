@@ -126,7 +126,8 @@ async def invalid_model(env: Env) -> set[int]:
     return _statuses(await env.upload("bad", np.random.default_rng(0).bytes(3000)),
                      await env.upload("bad", builders.external_initializer("../../etc/passwd")),
                      await env.upload("bad", builders.custom_domain()),
-                     await env.upload("bad", builders.value_dependent_bomb()))
+                     await env.upload("bad", builders.value_dependent_bomb()),
+                     await env.upload("bad", builders.newest_ir(builders.tiny_cnn(), onnx.defs.onnx_opset_version())))
 
 
 async def missing_extension(env: Env) -> set[int]:
@@ -381,7 +382,7 @@ CASES: dict[str, Case] = {
         integer_input,
     "a model version that is not a positive integer, on any route": bad_version,
     "a model refused at upload as invalid or unsafe: not ONNX, external data, a custom operator domain, sizes set "
-    "by request values": invalid_model,
+    "by request values, an IR version newer than ONNX Runtime reads that the model needs": invalid_model,
     'a Triton extension this server lacks: trace, logging ("... is not supported by this server"; gRPC: '
     "UNIMPLEMENTED)": missing_extension,
     "a tensor naming a shared-memory region that is not registered, or bytes past its end; a region key that is "

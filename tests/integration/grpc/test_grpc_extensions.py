@@ -249,3 +249,22 @@ def test_the_request_metrics_carry_the_protocol(fresh: ThreadedServer, tiny_byte
     assert 'service_requests_total{endpoint="v2_infer",model="tiny",outcome="success",protocol="rest"} 1.0' in text
     assert 'service_requests_total{endpoint="v2_infer",model="",outcome="not_found",protocol="grpc"} 1.0' in text
     assert "ghost" not in text
+
+
+def test_statistics_start_from_zero_after_an_unload_and_load(fresh: ThreadedServer, tiny_bytes: bytes) -> None:
+    """Triton keeps a version's statistics in its loaded model object, so an unload ends them and a load starts
+    from zero; docs/grpc.md says so, in the sentence checked here."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "grpc.md").read_text(encoding="utf-8")
+    assert "an unload ends them and a load starts them from zero" in page
+    put_model(fresh.url, "tiny", tiny_bytes)
+    h, g = clients(fresh)
+    for batch in (1, 2):
+        g.infer("tiny", [tensor(grpcclient, batch)])
+    assert h.get_inference_statistics("tiny")["model_stats"][0]["inference_count"] == 3
+    g.unload_model("tiny", headers=GRPC_AUTH)
+    h.load_model("tiny", headers=AUTH)
+    (stats,) = h.get_inference_statistics("tiny")["model_stats"]
+    assert (stats["inference_count"], stats["execution_count"], stats["last_inference"]) == (0, 0, 0)
+    assert stats["inference_stats"]["success"] == {"count": 0, "ns": 0} and stats["batch_stats"] == []
+    h.infer("tiny", [tensor(httpclient, 1)])
+    assert grpc_statistics(g, "tiny")["model_stats"][0]["inference_count"] == 1

@@ -5,15 +5,18 @@ graph."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from builders import reference
+from grpc_kit import put_model
 from threaded_server import ThreadedServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -156,3 +159,37 @@ def test_stream_reports_a_bad_request_in_the_stream_and_goes_on(live: ThreadedSe
         assert error is None and result.get_response().id == "good"
     finally:
         g.stop_stream()
+
+
+def test_a_failed_stream_request_is_answered_with_its_id(live: ThreadedServer) -> None:
+    """Triton's stream answers a failed request with ``error_message`` and the request's ``id`` (tritonclient's
+    callback drops the id of an error, so a raw stream): a client can tell which request failed."""
+    def request(rid: str, x: np.ndarray) -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name="tiny", id=rid)
+        message.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+        message.raw_input_contents.append(x.tobytes())
+        return message
+
+    sent = [request("good-1", sample()), request("bad", np.zeros((1, 3, 4, 4), np.float32)),
+            request("good-2", sample(2))]
+    with grpc.insecure_channel(live.grpc_target) as channel:
+        answers = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(sent), timeout=30))
+    by_id = {answer.infer_response.id: answer for answer in answers}
+    assert sorted(by_id) == ["bad", "good-1", "good-2"]
+    assert "expected shape [-1, 3, 8, 8], received [1, 3, 4, 4]" in by_id["bad"].error_message
+    assert not by_id["bad"].infer_response.outputs
+    assert by_id["good-1"].error_message == "" and by_id["good-2"].infer_response.outputs[0].shape[0] == 2
+
+
+def test_the_grpc_config_as_tritonclient_gives_it_uploads_unchanged(fresh: ThreadedServer, tiny_bytes: bytes) -> None:
+    """``get_model_config(as_json=True)`` wraps Triton's config in ``{"config": ...}`` (the ModelConfigResponse,
+    64-bit integers as strings): uploaded unchanged, it gives the same config."""
+    put_model(fresh.url, "net", tiny_bytes, config=json.dumps(
+        {"max_batch_size": 4, "max_delay_ms": 0.3, "buckets": [1, 2, 4], "description": "the tiny test model"}))
+    g = grpcclient.InferenceServerClient(fresh.grpc_target)
+    shown = g.get_model_config("net", as_json=True)
+    assert list(shown) == ["config"] and shown["config"]["dynamic_batching"]["max_queue_delay_microseconds"] == "300"
+    put_model(fresh.url, "net", tiny_bytes, config=json.dumps(shown))
+    assert g.get_model_config("net", "2", as_json=True) == shown
+    first, second = (v["config"] for v in httpx.get(f"{fresh.url}/v1/models/net").json()["versions"])
+    assert second == first

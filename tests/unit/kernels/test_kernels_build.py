@@ -91,18 +91,19 @@ def test_header_api_version_is_read_and_checked(tmp_path):
         ort_headers.api_version(tmp_path / "missing")
 
 
-def test_debian_source_is_read_from_both_apt_formats():
+def test_the_debian_mirror_is_read_from_both_apt_formats():
     deb822 = (
-        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\nComponents: main\n"
-        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n"
-        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n"
+        "Types: deb\nURIs: http://127.0.0.1:9/debian-security\nSuites: trixie-security\n\n"
+        "Types: deb\nURIs: http://127.0.0.1:9/debian\nSuites: trixie\nComponents: main\n"
+        "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
     )
-    assert ort_headers.debian_source([deb822]) == (
-        "http://mirror.example/debian", "/usr/share/keyrings/debian-archive-keyring.gpg")
-    one_line = "# comment\ndeb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian/ bookworm main\n"
-    assert ort_headers.debian_source([one_line]) == ("http://mirror.example/debian", "/k.gpg")
-    assert ort_headers.debian_source(["deb http://mirror.example/debian-security bookworm-security main"]) is None
-    assert ort_headers.debian_source(["Types: deb-src\nURIs: http://mirror.example/debian\n"]) is None
+    assert ort_headers.debian_mirror([deb822]) == "http://127.0.0.1:9/debian"
+    one_line = "# comment\ndeb [arch=amd64 signed-by=/k.gpg] http://127.0.0.1:9/debian/ trixie main\n"
+    assert ort_headers.debian_mirror([one_line]) == "http://127.0.0.1:9/debian"
+    assert ort_headers.debian_mirror(["deb file:/srv/mirror/debian trixie main"]) == "file:/srv/mirror/debian"
+    assert ort_headers.debian_mirror(["deb http://127.0.0.1:9/debian-security trixie-security main"]) is None
+    assert ort_headers.debian_mirror(["Types: deb-src\nURIs: http://127.0.0.1:9/debian\n"]) is None
+    assert ort_headers.debian_mirror(["Types: deb\nURIs: http://127.0.0.1:9/debian\nEnabled: no\n"]) is None
 
 
 def test_resolve_prefers_an_explicit_folder_and_never_fetches_when_told(tmp_path):

@@ -1,13 +1,18 @@
 """kernels.ort_headers.fetch: the pinned package is verified before it is read, unpacked in Python, only its
-include folder kept, unsafe members refused, mirrors tried in order. A fake downloader serves a small .deb
-built here (its hash pinned with monkeypatch): no network."""
+include folder kept, unsafe members refused, tried where ``$ORT_HEADERS_URL`` and the machine's own apt sources
+say, and nowhere else. A fake downloader, a loopback HTTP server or a file:// URL serves a small .deb built
+here (its hash pinned with monkeypatch), the apt sources are fake files: no network."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
 import io
 import tarfile
+import threading
 import urllib.error
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,8 @@ import pytest
 from kernels import ort_headers
 
 PREFIX = "./usr/include/onnxruntime/"
-DEBIAN_URL = f"{ort_headers.DEFAULT_MIRROR}/{ort_headers.POOL_PATH}"
+MIRROR = "http://127.0.0.1:9/debian"  # only the fake downloader "serves" it
+DEBIAN_URL = f"{MIRROR}/{ort_headers.POOL_PATH}"
 
 
 def _headers() -> dict[str, bytes]:
@@ -82,8 +88,16 @@ class Server:
         return response
 
 
+def _sources(folder: Path, *lines: str) -> tuple[Path]:
+    """A fake ``/etc/apt/sources.list`` holding ``lines`` (outside ``folder``'s headers)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sources.list"
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return (path,)
+
+
 def _fetch(tmp_path: Path, server: Server, **kwargs) -> Path:
-    kwargs.setdefault("texts", [])
+    kwargs.setdefault("sources", _sources(tmp_path.parent / f"{tmp_path.name}-apt", f"deb {MIRROR} trixie main"))
     kwargs.setdefault("env", {})
     return ort_headers.fetch(tmp_path / "ort-include", download=server, **kwargs)
 
@@ -139,26 +153,88 @@ def test_unsafe_members_are_refused(tmp_path, monkeypatch, member):
     assert not (tmp_path.parent / "escaped.h").exists()
 
 
-def test_mirrors_are_tried_in_order_until_one_serves_the_file(tmp_path, monkeypatch):
+def test_the_env_url_then_the_apt_mirror_are_tried_and_nothing_else(tmp_path, monkeypatch):
     deb = _pin(monkeypatch, _deb(_data_tar(_headers(), compression="gz"), data_name="data.tar.gz"))
-    env_url, apt_url = "http://copy.example/x.deb", f"http://mirror.example/debian/{ort_headers.POOL_PATH}"
-    server = Server({env_url: urllib.error.URLError("Name or service not known"), apt_url: TimeoutError("timed out"),
-                     DEBIAN_URL: deb})
-    texts = ["deb http://mirror.example/debian/ bookworm main\n"]
-    dest = _fetch(tmp_path, server, texts=texts, env={ort_headers.URL_ENV: env_url})
-    assert server.calls == [env_url, apt_url, DEBIAN_URL]
+    env_url = "http://127.0.0.1:9/copy/x.deb"
+    server = Server({env_url: urllib.error.URLError("Connection refused"), DEBIAN_URL: deb})
+    dest = _fetch(tmp_path, server, env={ort_headers.URL_ENV: env_url})
+    assert server.calls == [env_url, DEBIAN_URL]
     assert ort_headers.is_complete(dest) and DEBIAN_URL in (dest / "SOURCE.txt").read_text()
-    # no usable apt mirror (not http, or none): deb.debian.org alone; the same URL is not tried twice
-    not_http = "deb mirror+file:///etc/apt/mirrors/debian.list trixie main"
-    assert ort_headers.candidate_urls([not_http], {}) == [DEBIAN_URL]
-    assert ort_headers.candidate_urls([], {ort_headers.URL_ENV: DEBIAN_URL}) == [DEBIAN_URL]
+    assert ort_headers.candidate_urls([], {ort_headers.URL_ENV: env_url}) == [env_url]  # no built-in server after it
+
+
+@pytest.mark.parametrize("lines", [(), ("deb mirror+file:///etc/apt/mirrors/debian.list trixie main",),
+                                   ("deb http://127.0.0.1:9/ubuntu noble main",)],
+                         ids=["no sources", "not a URL urllib reads", "no Debian mirror"])
+def test_without_the_env_url_or_a_debian_mirror_nothing_is_downloaded(tmp_path, lines):
+    server = Server({})
+    with pytest.raises(ort_headers.HeaderError, match=r"nowhere to download .*ORT_HEADERS_URL.*--headers DIR"):
+        _fetch(tmp_path, server, sources=_sources(tmp_path / "apt", *lines))
+    assert server.calls == [] and not (tmp_path / "ort-include").exists()
 
 
 def test_every_failure_is_named_when_no_url_serves_the_file(tmp_path):
     server = Server({DEBIAN_URL: urllib.error.HTTPError(DEBIAN_URL, 404, "Not Found", None, None)})
     with pytest.raises(ort_headers.HeaderError, match="could not download") as raised:
-        _fetch(tmp_path, server, texts=["deb http://mirror.example/debian trixie main\n"])
-    assert "mirror.example" in str(raised.value) and "404" in str(raised.value)
+        _fetch(tmp_path, server, env={ort_headers.URL_ENV: "http://127.0.0.1:9/copy/x.deb"})
+    assert "copy/x.deb" in str(raised.value) and "404" in str(raised.value)
+
+
+@pytest.fixture
+def loopback_mirror(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A Debian mirror's folder served over HTTP on a free loopback port: (its root, its URL)."""
+    root = tmp_path / "mirror"
+    root.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_first_debian_mirror_of_the_apt_sources_is_downloaded_from(tmp_path, monkeypatch, loopback_mirror):
+    """The real downloader against a loopback mirror named by a fake deb822 sources file (Ubuntu's stanza first,
+    the security archive skipped)."""
+    root, url = loopback_mirror
+    deb = _pin(monkeypatch, _deb(_data_tar(_headers())))
+    (root / "debian" / ort_headers.POOL_PATH).parent.mkdir(parents=True)
+    (root / "debian" / ort_headers.POOL_PATH).write_bytes(deb)
+    folder = tmp_path / "apt" / "sources.list.d"
+    folder.mkdir(parents=True)
+    (folder / "a-ubuntu.sources").write_text(f"Types: deb\nURIs: {url}/ubuntu\nSuites: noble\n")
+    (folder / "debian.sources").write_text(f"Types: deb\nURIs: {url}/debian-security\nSuites: trixie-security\n\n"
+                                           f"Types: deb\nURIs: {url}/debian\nSuites: trixie\n")
+    dest = ort_headers.fetch(tmp_path / "ort-include", sources=(tmp_path / "apt" / "sources.list", folder), env={})
+    assert ort_headers.api_version(dest) == 21
+    assert f"{url}/debian/{ort_headers.POOL_PATH}" in (dest / "SOURCE.txt").read_text()
+
+
+def test_the_env_url_may_be_a_file_url(tmp_path, monkeypatch):
+    deb = _pin(monkeypatch, _deb(_data_tar(_headers())))
+    copy = tmp_path / "copy.deb"
+    copy.write_bytes(deb)
+    dest = ort_headers.fetch(tmp_path / "ort-include", sources=(), env={ort_headers.URL_ENV: copy.as_uri()})
+    assert ort_headers.is_complete(dest)
+
+
+def test_the_command_fetches_into_its_folder_and_names_a_failure(tmp_path, monkeypatch, capsys):
+    deb = _pin(monkeypatch, _deb(_data_tar(_headers())))
+    (tmp_path / "copy.deb").write_bytes(deb)
+    monkeypatch.setenv(ort_headers.URL_ENV, (tmp_path / "copy.deb").as_uri())
+    assert ort_headers.main([str(tmp_path / "inc")]) == 0 and ort_headers.is_complete(tmp_path / "inc")
+    monkeypatch.setattr(ort_headers, "SHA256", "0" * 64)
+    assert ort_headers.main([str(tmp_path / "other")]) == 1
+    assert capsys.readouterr().err.startswith("error: could not download")
 
 
 def test_a_zstd_data_member_is_a_clear_error(tmp_path, monkeypatch):
