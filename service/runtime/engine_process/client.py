@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import EngineError
+from service.errors import EngineError, InvalidInputError
 from service.runtime.batching import shape_key
 from service.runtime.contract import PageLocker, Signature
+from service.runtime.device_rows import DeviceRows
 from service.runtime.engine_process import protocol
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import AttachedBuffers, GrowingBuffer, Layout, layout_of
@@ -254,6 +255,9 @@ def _layout(signature: Signature, parts: Sequence[Mapping[str, np.ndarray]]) -> 
         rows += signature.rows_of(part)
         if shape_key(part) != key:
             raise EngineError("internal error: the parts of one call differ in their sample shapes")
+        if any(isinstance(value, DeviceRows) for value in part.values()):  # a region opened before a move
+            raise InvalidInputError("CUDA shared memory is not served while the engines run in the engine process "
+                                    "(after a GPU fault moved them there): send the tensors in the request")
     shapes = {name: ((rows, *value.shape[1:]), value.dtype) for name, value in first.items()}
     layout, nbytes = layout_of(shapes)
     return layout, nbytes, rows
