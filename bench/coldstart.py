@@ -2,16 +2,22 @@
 
     python bench/coldstart.py --runs 30 [--store both|warm|fresh] [--parallel 6] [--env SERVICE_X=Y ...]
 
-``warm``: one server prepares a store first (it builds, optimizes, tunes and warms the demo model), then every
-run starts on a copy of it (the optimized files and the tuner's record, with its cuDNN search verdict, are
-reused). ``fresh``: every run starts on an empty model directory (build, optimize, verify, tune, warm).
-``both`` (the default) runs ``--runs`` warm starts, then ``--runs`` fresh ones. A run passes when
-``/v2/health/ready`` answers 200 within ``--ready-timeout-s`` and one binary KServe V2 request to the demo model
-answers 200 with one output row of the model's shape. A passing run keeps the server's load-phase line
-(optimize, read, tune, session, warm per bucket, activate: where a start's time goes); a failing one keeps its
-log and the stacks of every thread of the server (SIGUSR1, ``service/server/process.py``), taken before it is
-stopped. ``--parallel P`` runs P servers at once (each on its own port and store; ``--parallel-fresh`` for the
-fresh ones): P times faster, and P servers loading one GPU at once. ``--deadline-s``: no run starts after it
+``warm``: one server prepares a store first (it builds, optimizes and serves the demo model, and keeps serving
+until its tuning has proven and stored a record), then every run starts on a copy of it (the optimized files and
+the proven record, with its cuDNN search verdict, are reused). ``fresh``: every run starts on an empty model
+directory (build, optimize, verify, serve the default configuration; the tuning starts once it serves and is cut
+short when the run stops it). ``both`` (the default) runs ``--runs`` warm starts, then ``--runs`` fresh ones.
+
+A run passes when ``/v2/health/ready`` answers 200 within ``--ready-timeout-s`` and each of its first
+``--requests`` binary KServe V2 requests (batches of 1 to 33 samples, random pixels, the same for every run)
+answers 200 with outputs that agree with the CPU provider's on the served graph (``precision.agreement``: relative
+L2 under 5e-2 and top-1 equal on every clear-cut row); the run keeps how many answered, failed and disagreed,
+and the worst error. A passing run keeps the server's load-phase line (optimize, read, tune, session, warm per
+bucket, activate: where a start's time goes); a failing one keeps its log and the stacks of every thread of the
+server (SIGUSR1, ``service/server/process.py``), taken before it is stopped.
+
+``--parallel P`` runs P servers at once (each on its own port and store; ``--parallel-fresh`` for the fresh
+ones): P times faster, and P servers loading one GPU at once. ``--deadline-s``: no run starts after it
 (runs in flight finish), and the file is rewritten after every run, so a device call's time limit never loses
 what was measured; the file says how many ran.
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -34,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +59,9 @@ from bench.service import binary_payload, free_port  # noqa: E402
 DEMO = "mobilenet_v3_large"
 STACK_WAIT_S = 2.0
 PHASES = re.compile(rf"{DEMO} v\d+ ready: (.*)$", re.MULTILINE)
-SEARCH = re.compile(r"autotune: cuDNN search .*$", re.MULTILINE)
+ENGINE_LINES = re.compile(r"(autotune: .*|engine .*: (switched|the tuner chose|the GPU faulted).*|.*refused.*|"
+                          r".*serves again on.*|.*moves to an engine process.*)$", re.MULTILINE)
+"""The server's lines about its engine after the start: the tuner, the proof, a switch, a fault, a move."""
 
 
 def server_env(extra: dict[str, str], device: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -66,19 +76,76 @@ def server_env(extra: dict[str, str], device: str, base: dict[str, str] | None =
     return env
 
 
-def one_request(url: str) -> tuple[bool, str]:
-    """One binary V2 request to the demo model; (ok, what happened). ok: 200 and one output row of the shape
-    the model's metadata declares."""
-    meta = httpx.get(f"{url}/v2/models/{DEMO}", timeout=10)
-    if meta.status_code != 200:
-        return False, f"metadata {meta.status_code}: {meta.text[:200]}"
-    spec_in, spec_out = meta.json()["inputs"][0], meta.json()["outputs"][0]
-    dtype = {"FP32": np.float32, "UINT8": np.uint8}[spec_in["datatype"]]
-    sample = np.zeros([1, *spec_in["shape"][1:]], dtype)
-    per_sample = int(np.prod(spec_out["shape"][1:]))
-    payload = binary_payload(DEMO, spec_in["name"], spec_out["name"], sample, per_sample)
-    reply = httpx.post(f"{url}/v2/models/{DEMO}/infer", content=payload.body, headers=payload.headers, timeout=60)
-    return check_reply(reply.status_code, reply.headers, reply.content, [1, *spec_out["shape"][1:]])
+REQUEST_BATCHES = (1, 1, 1, 2, 1, 3, 1, 8, 1, 1, 33, 1, 4, 1, 16, 1)
+"""The sample counts of the requests, in turn: mostly lone requests, some that reach the larger buckets (warmed
+while the server serves) and one above the largest warm one at first (run in chunks)."""
+
+
+@dataclasses.dataclass
+class Reference:
+    """The requests every run sends and the CPU provider's answers on the served graph (the store's plain
+    variant), made once from the first store that serves."""
+
+    input_name: str
+    output_name: str
+    inputs: list[np.ndarray]
+    outputs: list[np.ndarray]
+
+    @classmethod
+    def made_for(cls, store: Path, url: str, count: int) -> Reference:
+        import onnxruntime as ort
+
+        meta = httpx.get(f"{url}/v2/models/{DEMO}", timeout=10).json()
+        spec_in, spec_out = meta["inputs"][0], meta["outputs"][0]
+        version = max((p for p in (store / DEMO).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+        variants = json.loads((version / "metadata.json").read_text())["optimization"]["variants"]
+        session = ort.InferenceSession(str(version / variants["plain"]["file"]), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(2026)
+        inputs, outputs = [], []
+        for index in range(count):
+            batch = REQUEST_BATCHES[index % len(REQUEST_BATCHES)]
+            shape = (batch, *spec_in["shape"][1:])
+            x = rng.integers(0, 256, shape, dtype=np.uint8) if spec_in["datatype"] == "UINT8" else \
+                rng.standard_normal(shape).astype(np.float32)
+            inputs.append(x)
+            outputs.append(session.run([spec_out["name"]], {spec_in["name"]: x})[0])
+        return cls(spec_in["name"], spec_out["name"], inputs, outputs)
+
+
+def first_requests(url: str, reference: Reference) -> dict[str, Any]:
+    """The reference's requests in turn, each answer checked against the CPU provider's; how they went."""
+    from service.runtime.precision import REL_L2_TOLERANCE, agreement
+
+    failed: list[str] = []
+    disagreed: list[str] = []
+    worst = 0.0
+    with httpx.Client(timeout=60) as client:
+        for index, (x, want) in enumerate(zip(reference.inputs, reference.outputs, strict=True)):
+            per_sample = int(np.prod(want.shape[1:]))
+            payload = binary_payload(DEMO, reference.input_name, reference.output_name, x, per_sample)
+            try:
+                reply = client.post(f"{url}/v2/models/{DEMO}/infer", content=payload.body, headers=payload.headers)
+            except httpx.HTTPError as exc:
+                failed.append(f"request {index}: {type(exc).__name__}")
+                continue
+            ok, what = check_reply(reply.status_code, reply.headers, reply.content, list(want.shape))
+            if not ok:
+                failed.append(f"request {index}: {what}")
+                continue
+            got = binary_output(reply.headers, reply.content, want.dtype, want.shape)
+            check = agreement([({"y": want}, {"y": got})], REL_L2_TOLERANCE)
+            worst = max(worst, check.rel_l2)
+            if not check.ok:
+                disagreed.append(f"request {index} (batch {x.shape[0]}): {check.reason}")
+    return {"sent": len(reference.inputs), "answered": len(reference.inputs) - len(failed), "failed": failed[:5],
+            "failures": len(failed), "disagreed": disagreed[:5], "disagreements": len(disagreed),
+            "worst_rel_l2": round(worst, 5)}
+
+
+def binary_output(headers: Any, body: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The one binary output of a KServe V2 reply."""
+    length = int(headers.get("Inference-Header-Content-Length", len(body)))
+    return np.frombuffer(body[length:], dtype=dtype).reshape(shape)
 
 
 def check_reply(status: int, headers: Any, body: bytes, want_shape: list[int]) -> tuple[bool, str]:
@@ -93,10 +160,11 @@ def check_reply(status: int, headers: Any, body: bytes, want_shape: list[int]) -
 
 
 def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_timeout_s: float,
-             settle_s: float = 0.0) -> dict[str, Any]:
-    """Start a server on ``store``, wait for ready, send one request, stop it; the outcome and its timings.
-    ``settle_s``: before stopping, wait up to that long for the cuDNN search comparison the server runs once the
-    model serves (``registry.search_later``) to store its verdict, as a server that keeps running would."""
+             reference: Any, settle_s: float = 0.0) -> dict[str, Any]:
+    """Start a server on ``store``, wait for ready, send the first requests (``reference()`` makes the reference
+    from this store and URL when none exists yet), stop it; the outcome and its timings. ``settle_s``: before
+    stopping, wait up to that long for the server's tuning to store a proven record (``runtime.switching``), as a
+    server that keeps running would."""
     port = free_port()
     log_path = logs / f"run-{index:03d}.log"
     started = time.monotonic()
@@ -109,10 +177,12 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
     try:
         outcome.update(_wait_ready(proc, url, started, ready_timeout_s))
         if outcome.get("ready_s") is not None:
-            ok, what = one_request(url)
-            outcome.update(ok=ok, result=what, answered_s=round(time.monotonic() - started, 2))
+            requests = first_requests(url, reference(store, url))
+            ok = requests["failures"] == 0 and requests["disagreements"] == 0
+            what = "answered" if ok else f"{requests['failures']} failed, {requests['disagreements']} disagreed"
+            outcome.update(ok=ok, result=what, requests=requests, answered_s=round(time.monotonic() - started, 2))
             if ok and settle_s > 0:
-                outcome["search_verdict"] = _wait_search_verdict(store, settle_s)
+                outcome["tuned"] = _wait_proven(store, settle_s)
     except Exception as exc:  # the harness records every failure; it never stops at one
         outcome["result"] = f"{type(exc).__name__}: {exc}"
     if not outcome["ok"] and proc.poll() is None:
@@ -122,7 +192,7 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
     outcome["exit_code"] = proc.returncode
     text = log_path.read_text(errors="replace")
     outcome["phases"] = [m.group(1) for m in PHASES.finditer(text)]
-    outcome["cudnn_search"] = [m.group(0) for m in SEARCH.finditer(text)]
+    outcome["engine"] = [m.group(0) for m in ENGINE_LINES.finditer(text)]
     if not outcome["ok"]:
         outcome["log_tail"] = text[-12000:]
     else:
@@ -130,21 +200,21 @@ def run_once(index: int, store: Path, logs: Path, env: dict[str, str], ready_tim
     return outcome
 
 
-def _wait_search_verdict(store: Path, timeout_s: float) -> dict[str, Any]:
-    """Until no stored engine record's cuDNN search entry is pending, or ``timeout_s``."""
+def _wait_proven(store: Path, timeout_s: float) -> dict[str, Any]:
+    """Until the stored engine record is proven (or tuning ended without one: budget 0), or ``timeout_s``."""
     started = time.monotonic()
-    entries: list[Any] = []
+    engine: Any = None
     while time.monotonic() - started < timeout_s:
-        entries = []
         for path in store.glob("*/*/metadata.json"):
             with contextlib.suppress(OSError, ValueError):
-                entries.append((json.loads(path.read_text()).get("engine") or {}).get("cudnn_conv_algo_search"))
-        if entries and not any(isinstance(e, dict) and e.get("pending") for e in entries):
-            break  # every search compared (or none to compare: the CPU)
+                engine = json.loads(path.read_text()).get("engine") or {}
+        if isinstance(engine, dict) and (engine.get("proven") or engine.get("device") == "cpu"):
+            break
         time.sleep(1.0)
-    return {"waited_s": round(time.monotonic() - started, 1),
-            "entries": [{k: e.get(k) for k in ("choice", "measured", "reason")} if isinstance(e, dict) else e
-                        for e in entries]}
+    engine = engine if isinstance(engine, dict) else {}
+    return {"waited_s": round(time.monotonic() - started, 1), "proven": bool(engine.get("proven")),
+            "choice": engine.get("choice"), "reason": engine.get("reason"),
+            "cudnn_conv_algo_search": (engine.get("cudnn_conv_algo_search") or {}).get("choice")}
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str, started: float, timeout_s: float) -> dict[str, Any]:
@@ -180,22 +250,26 @@ def summary(results: list[dict[str, Any]], runs: int) -> dict[str, Any]:
     """Passed, failed and not run; ready seconds of the runs that got ready (p50, max, every one)."""
     ready = [r["ready_s"] for r in results if r.get("ready_s") is not None]
     passed = sum(bool(r.get("ok")) for r in results)
+    requests = [r.get("requests") or {} for r in results]
     return {"runs": runs, "passed": passed, "failed": len(results) - passed, "not_run": runs - len(results),
             "ready_s_p50": common.median(ready) if ready else None, "ready_s_max": max(ready) if ready else None,
-            "ready_s": ready}
+            "ready_s": ready, "requests_sent": sum(r.get("sent", 0) for r in requests),
+            "requests_failed": sum(r.get("failures", 0) for r in requests),
+            "requests_disagreed": sum(r.get("disagreements", 0) for r in requests),
+            "worst_rel_l2": max((r.get("worst_rel_l2", 0.0) for r in requests), default=None)}
 
 
 def run_store(kind: str, args: argparse.Namespace, work: Path, env: dict[str, str], deadline: float,
-              save: Any) -> dict[str, Any]:
+              save: Any, reference: Any) -> dict[str, Any]:
     """``args.runs`` starts on a ``kind`` store ("warm": copies of one prepared store, "fresh": empty ones);
-    ``save(section)`` after each run."""
+    ``save(section)`` after each run; ``reference(store, url)``: the requests and their CPU answers."""
     logs = (args.logs or work / "logs") / kind
     logs.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {}
     template = None
     if kind == "warm":
         template = work / "template"
-        prepared = run_once(-1, template, logs, env, args.ready_timeout_s, settle_s=args.settle_s)
+        prepared = run_once(-1, template, logs, env, args.ready_timeout_s, reference, settle_s=args.settle_s)
         section["prepared"] = prepared
         print(f"prepared the warm store: {prepared.get('result')} after {prepared.get('ready_s')} s", flush=True)
         if not prepared["ok"]:
@@ -208,7 +282,7 @@ def run_store(kind: str, args: argparse.Namespace, work: Path, env: dict[str, st
         if template is not None:
             shutil.copytree(template, store)
         try:
-            return run_once(index, store, logs, env, args.ready_timeout_s)
+            return run_once(index, store, logs, env, args.ready_timeout_s, reference)
         finally:
             shutil.rmtree(store, ignore_errors=True)
 
@@ -236,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="SERVICE_X=Y for every server (repeatable)")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     parser.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
-    parser.add_argument("--settle-s", type=float, default=180.0,
-                        help="the warm store's preparing server waits up to this long for its cuDNN search verdict")
+    parser.add_argument("--settle-s", type=float, default=240.0,
+                        help="the warm store's preparing server waits up to this long for a proven engine record")
+    parser.add_argument("--requests", type=int, default=100, help="requests per start, checked against the CPU")
     parser.add_argument("--logs", type=Path, help="where failing runs' logs stay (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="result file (default bench/results/coldstart-<date>.json)")
     args = parser.parse_args(argv)
@@ -261,14 +336,25 @@ def main(argv: list[str] | None = None) -> int:
 
         return keep
 
+    made: list[Reference] = []
+    lock = threading.Lock()
+
+    def reference(store: Path, url: str) -> Reference:
+        with lock:
+            if not made:
+                made.append(Reference.made_for(store, url, args.requests))
+            return made[0]
+
     with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
         for kind in kinds:
-            stores[kind] = run_store(kind, args, Path(tmp), env, deadline, save(kind))
+            stores[kind] = run_store(kind, args, Path(tmp), env, deadline, save(kind), reference)
             write()
     path = write()
     rows = [{"store": kind, **{k: s[k] for k in ("runs", "passed", "failed", "not_run", "ready_s_p50",
-                                                    "ready_s_max")}} for kind, s in stores.items()]
-    common.print_table(rows, ["store", "runs", "passed", "failed", "not_run", "ready_s_p50", "ready_s_max"],
+                                                    "ready_s_max", "requests_failed", "requests_disagreed")}}
+            for kind, s in stores.items()]
+    common.print_table(rows, ["store", "runs", "passed", "failed", "not_run", "ready_s_p50", "ready_s_max",
+                              "requests_failed", "requests_disagreed"],
                        title=f"cold starts; wrote {path}")
     return 0 if all(s["passed"] == s["runs"] for s in stores.values()) else 1
 

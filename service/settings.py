@@ -120,18 +120,17 @@ class ServiceSettings(BaseSettings):
                                      "to the next bucket.")
     )
     cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
-        "auto", **_advanced("cuDNN convolution algorithm search. auto: HEURISTIC (the cheaper search to warm up) "
-                            "serves at once; once the model serves, the chosen configuration is timed with EXHAUSTIVE "
-                            "against HEURISTIC at every bucket in the background, and a restart on the same GPU and "
-                            "ONNX Runtime serves HEURISTIC unless EXHAUSTIVE was over 3 % faster at a bucket. Any "
-                            "other value is used as set.")
+        "auto", **_advanced("cuDNN convolution algorithm search. auto: a version serves at once with HEURISTIC (the "
+                            "cheaper search to warm up); once it serves, the tuned configuration is timed with "
+                            "EXHAUSTIVE against HEURISTIC at every bucket in a child, and EXHAUSTIVE serves only "
+                            "where it was over 3 % faster at a bucket. Any other value is used as set.")
     )
     tune_budget_s: float = Field(
-        60.0, ge=0.0, le=3600.0, **_advanced("Time the load-time tuner may spend per model timing its candidate "
-                                             "configurations, each in a child process (the first always runs; "
-                                             "ones known to fault this GPU are skipped; the cuDNN search "
-                                             "comparison runs after the model serves). 0: serve the first one "
-                                             "untimed.")
+        60.0, ge=0.0, le=3600.0, **_advanced("Time the tuner may spend per model on a GPU timing its candidate "
+                                             "configurations, each in a child process, once the model serves on "
+                                             "its default configuration (the first always runs; refused ones are "
+                                             "skipped). The fastest is switched to only once proven where it "
+                                             "serves. 0: the default configuration serves, never tuned.")
     )
     fused_conv: bool = Field(True, **_advanced("Let the optimizer emit com.microsoft.FusedConv (Conv+Relu)."))
     fused_ops_library: str = Field(

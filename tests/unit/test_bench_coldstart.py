@@ -43,7 +43,52 @@ def test_a_start_counts_only_with_an_answer_of_the_models_shape() -> None:
 def test_the_summary_is_the_runs_ready_times() -> None:
     results = [{"ok": True, "ready_s": 8.0}, {"ok": True, "ready_s": 6.0}, {"ok": False, "ready_s": None},
                {"ok": False, "ready_s": 12.0}]
+    results[0]["requests"] = {"sent": 100, "failures": 0, "disagreements": 0, "worst_rel_l2": 0.01}
+    results[3]["requests"] = {"sent": 100, "failures": 3, "disagreements": 1, "worst_rel_l2": 0.2}
     summary = coldstart.summary(results, runs=5)
     assert summary == {"runs": 5, "passed": 2, "failed": 2, "not_run": 1, "ready_s_p50": 8.0, "ready_s_max": 12.0,
-                       "ready_s": [8.0, 6.0, 12.0]}
+                       "ready_s": [8.0, 6.0, 12.0], "requests_sent": 200, "requests_failed": 3,
+                       "requests_disagreed": 1, "worst_rel_l2": 0.2}
     assert coldstart.summary([], runs=3)["ready_s_p50"] is None
+
+
+def _binary_reply(values: object) -> tuple[dict[str, str], bytes]:
+    import numpy as np
+
+    array = np.asarray(values, np.float32)
+    head = json.dumps({"outputs": [{"name": "y", "datatype": "FP32", "shape": list(array.shape),
+                                    "parameters": {"binary_data_size": array.nbytes}}]}).encode()
+    return {"Inference-Header-Content-Length": str(len(head))}, head + array.tobytes()
+
+
+def test_an_answer_is_compared_with_the_cpu_providers(monkeypatch) -> None:
+    """A start passes only when every first request answers, and answers what the CPU provider computes."""
+    import numpy as np
+
+    want = np.array([[0.1, 2.0, 0.3], [1.5, 0.2, 0.1]], np.float32)
+    reference = coldstart.Reference("x", "y", [np.zeros((2, 3), np.uint8)] * 3, [want] * 3)
+    answers = iter([_binary_reply(want), _binary_reply(want * [[1, 0.1, 1], [1, 1, 1]]), None])
+
+    class Reply:
+        def __init__(self, found):
+            self.status_code = 200 if found else 503
+            self.headers, self.content = found if found else ({}, b'{"error": "model not ready"}')
+
+    class Client:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def post(self, *_, **__):
+            return Reply(next(answers))
+
+    monkeypatch.setattr(coldstart.httpx, "Client", Client)
+    outcome = coldstart.first_requests("http://127.0.0.1:1", reference)
+    assert outcome["sent"] == 3 and outcome["answered"] == 2 and outcome["failures"] == 1
+    assert outcome["disagreements"] == 1 and "request 1" in outcome["disagreed"][0]
+    assert outcome["failed"][0].startswith("request 2: infer 503")
