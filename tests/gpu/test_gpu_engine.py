@@ -183,8 +183,8 @@ def test_split_engine_serves_large_buckets_from_fp16_without_graphs(tiny: onnx.M
 def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
     tiny: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole split path on the GPU: graphless configurations timed in children, the split decided (forced
-    here: any graphless configuration counts as faster), the record reused without timing."""
+    """The whole split path on the GPU: graphless configurations timed in children, the split measured in a child
+    (forced here: any graphless configuration counts as faster), the proven record built without timing."""
     from service.runtime import tuner
     from service.runtime.split_engine import SplitEngine
 
@@ -198,7 +198,8 @@ def test_tuner_splits_large_buckets_and_rebuilds_the_split_from_its_record(
             assert_matches_cpu(engine, tiny, n, seed)
     finally:
         engine.close()
-    again, reused = select_variant({"plain": tiny}, settings, precision="fp32", cached_choice=record)
+    proven = {**record, "proven": True}  # what the switching engine stores once the split served (runtime.switching)
+    again, reused = select_variant({"plain": tiny}, settings, precision="fp32", cached_choice=proven)
     try:
         assert reused.get("reused") is True and isinstance(again, SplitEngine)
         assert again.large_buckets == (8, 64)
@@ -358,7 +359,8 @@ def test_select_variant_times_and_reuses_its_choice() -> None:
         assert_matches_cpu(engine, candidates["plain"], 5, 3)  # fp16 lands near 1e-3, inside the fp32 bound
     finally:
         engine.close()
-    again, reused = select_variant(candidates, settings, precision="auto", cached_choice=record)
+    proven = {**record, "proven": True}  # only a record proven where it served is built untimed
+    again, reused = select_variant(candidates, settings, precision="auto", cached_choice=proven)
     try:
         assert reused.get("reused") is True
         assert again.variant == chosen

@@ -79,8 +79,13 @@ def test_a_gpu_server_makes_checks_and_times_the_fused_variant(tmp_path: Path) -
             staged = manager.new_staging_file()
             staged.write_bytes(model.SerializeToString())
             mv = await manager.upload("blocks", staged, ModelConfig())
-            result = await mv.infer(mv.signature.request({"x": x}, None))
+            result = await mv.infer(mv.signature.request({"x": x}, None))  # served at once, before tuning
             assert mv.metadata is not None and mv.metadata.optimization is not None
+            for _ in range(600):  # the tuner runs once it serves; its winner serves once proven (runtime.switching)
+                if (mv.metadata.engine or {}).get("proven"):
+                    break
+                await mv.infer(mv.signature.request({"x": x}, None))
+                await asyncio.sleep(0.2)
             return dict(mv.metadata.optimization.variants), dict(mv.metadata.engine or {}), result.outputs["y0"]
         finally:
             await manager.stop(5)
@@ -90,4 +95,5 @@ def test_a_gpu_server_makes_checks_and_times_the_fused_variant(tmp_path: Path) -
     assert variants["onnxcnn"].report["verified"]
     assert record["fused_ops_checks"]["onnxcnn/nchw/fp32"]["ok"], record
     assert "onnxcnn/nchw/fp32" in record["timings_ms"], record  # timed against today's best, recorded
+    assert record["proven"] is True, record
     assert rel_l2(got, cpu_outputs(model, x)) < REL_L2

@@ -126,11 +126,11 @@ async def test_an_upload_that_fails_to_load_and_cannot_be_removed_stays_failed(
     async with serve_app(settings) as client:
         manager = client.app.state.manager  # type: ignore[attr-defined]
 
-        def broken_loader(_request: object) -> object:
+        def broken_loader(_request: object, _reports: object = None) -> object:
             read_only(monkeypatch, root)  # the store turns read-only after the version was published
             raise RuntimeError("the engine could not be built")
 
-        monkeypatch.setattr(manager, "_engine_loader", broken_loader)
+        manager.engines.use_loader(broken_loader)
         r = await client.post("/v1/models/m", content=V1, headers={**AUTH, "content-type": OCTET})
         assert "could not be loaded" in assert_clean_error(r, root, statuses={422})
         assert await _versions(client) == {"m": [(1, "FAILED")]}

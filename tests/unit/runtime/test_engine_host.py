@@ -739,7 +739,7 @@ def test_a_gpu_fault_at_a_load_is_answered_then_the_engine_process_exits(
     monkeypatch.setattr(host_module, "exit_after_gpu_fault", exits.append)
     with _hosting(folder, loader=faulting), pytest.raises(GpuFaultError, match="CUDA failure 700"):
         _connect(folder, {"plain": model_file}, label="demo")
-    assert exits == ["demo"]
+    assert _wait_for(lambda: exits == ["demo"])
 
 
 def test_each_engine_reports_where_its_request_says(folder: Path, model_file: Path) -> None:
