@@ -382,10 +382,12 @@ class CaptureLock:
     """Keeps CUDA graph captures apart from every other CUDA call made by this process's engines.
 
     ORT captures with cudaStreamCaptureModeGlobal: while one thread captures, a "potentially unsafe" call
-    from any other thread (cudaMalloc, a synchronous cudaMemcpy such as update_inplace, cudaFree) fails
-    and invalidates the capture. So loads, runs and frees hold this lock shared (any number at once) and
-    the warm-up runs that may capture hold it exclusively. Captures are preferred over new shared users,
-    so a busy model cannot starve a loading one; they are short (the slow cuDNN search runs shared).
+    from any other thread (cudaMalloc, a synchronous cudaMemcpy such as update_inplace, cudaFree, the
+    cudaDeviceSynchronize of every served batch) fails and invalidates the capture. So runs, copies and frees
+    hold this lock shared (any number at once), and everything an engine does while it is built (its session,
+    each bucket's binding, first run and captures: ``runtime.warming``) holds it exclusively. Exclusive users
+    are preferred over new shared ones, so a busy model cannot starve a loading one; serving waits for one
+    bucket's warm-up at a time.
     """
 
     def __init__(self) -> None:

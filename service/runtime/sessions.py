@@ -58,18 +58,19 @@ def cpu_session(data: bytes, engine_options: EngineOptions, custom_ops: str | No
 def cuda_session(
     data: bytes, engine_options: EngineOptions, tuning: CudaTuning, *, graph: bool, custom_ops: str | None = None
 ) -> ort.InferenceSession:
-    """A CUDA session (created under the capture lock's shared side: it allocates device memory)."""
+    """A CUDA session, created under the capture lock's exclusive side (``device.CaptureLock``): no engine serves
+    while ORT builds it."""
     provider = (CUDA, cuda_provider_options(engine_options, prefer_nhwc=tuning.prefer_nhwc, cuda_graph=graph,
                                             fuse_conv_bias=tuning.fuse_conv_bias))
     # a graph session ORT refuses is logged by us, as a fallback
     options = with_custom_ops(session_options(quiet=graph), custom_ops)
     options.intra_op_num_threads = CUDA_INTRA_OP_THREADS
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    CUDA_LOCK.acquire_shared()
+    CUDA_LOCK.acquire_exclusive()  # what ORT does on the device while it builds a session is its own business
     try:
         session = ort.InferenceSession(data, options, providers=[provider, CPU])
     finally:
-        CUDA_LOCK.release_shared()
+        CUDA_LOCK.release_exclusive()
     if session.get_providers()[0] != CUDA:
         raise EngineError(f"onnxruntime did not start {CUDA} for this model")
     return session

@@ -112,15 +112,15 @@ class BucketWarming:
         """Bind a bucket and run it (CUDA: capture its graph, and check a replay against a plain run). The
         first bucket must warm; a later one whose replay disagrees is left out, logged."""
         started = time.perf_counter()
-        self._lock.acquire_shared()
+        rng = np.random.default_rng(size)
+        self._lock.acquire_exclusive()
         try:
             graph_id = self.buckets.index(size) + 1 if self._built.cuda_graph else None
             self._bound[size] = bind(self._session, self.signature, size, graph_id, self._output_shapes(size),
                                      self._io_device)
+            plain, replay = self._warm_bucket(self._bound[size], random_feeds(self.signature.inputs, size, rng))
         finally:
-            self._lock.release_shared()
-        rng = np.random.default_rng(size)
-        plain, replay = self._warm_bucket(self._bound[size], random_feeds(self.signature.inputs, size, rng))
+            self._lock.release_exclusive()
         if self._built.cuda_graph:
             try:
                 check_replay(plain, replay, size)
@@ -137,22 +137,21 @@ class BucketWarming:
     def _warm_bucket(
         self: Any, bucket: Bucket, feeds: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The plain run and the last graph run of a bucket. The first run of the shape (the slow one: cuDNN's
-        plans) runs without a graph id, so it cannot capture, under the lock's shared side; every run with the
-        graph id runs under its exclusive side, since ORT may capture at any of them: its session starts a second
-        run itself right after a regular one, and that one captures (the first run of a bucket captured beside a
-        serving thread's synchronize: CUDA 900 "operation not permitted when stream is capturing" on the H100
-        and the H200, tests/gpu/test_gpu_engine.py::test_serving_thread_while_another_engine_captures)."""
-        first = self._run_bucket(bucket, [feeds], [bucket.size], options=UNCAPTURED if self._built.cuda_graph else None)
+        """The plain run and the last graph run of a bucket, the capture lock held exclusively by the caller. The
+        first run of the shape (the slow one: cuDNN's plans) runs without a graph id, so it cannot capture; ORT
+        may capture at any run with the graph id (its session starts a second run itself right after a regular
+        one). Why exclusive, the whole warm-up: while one thread captures, any other thread's synchronize fails
+        and breaks the capture, and a first bucket warmed beside a serving thread failed it that way (CUDA 900
+        "operation not permitted when stream is capturing" in cudaDeviceSynchronize, H100 and H200:
+        tests/gpu/test_gpu_engine.py::test_serving_thread_while_another_engine_captures) even with the graph-id
+        runs alone exclusive. Serving waits meanwhile: a bucket's warm-up, not the model's."""
+        first = self._run_bucket(bucket, [feeds], [bucket.size], locked=True,
+                                 options=UNCAPTURED if self._built.cuda_graph else None)
         last = first
         if not self._built.cuda_graph:
             return first, last
-        self._lock.acquire_exclusive()
-        try:
-            for _ in range(WARMUP_RUNS):
-                last = self._run_bucket(bucket, [feeds], [bucket.size], locked=True)
-        finally:
-            self._lock.release_exclusive()
+        for _ in range(WARMUP_RUNS):
+            last = self._run_bucket(bucket, [feeds], [bucket.size], locked=True)
         return first, last
 
     def _ready_this_thread(self: Any) -> None:
@@ -166,7 +165,11 @@ class BucketWarming:
                        threading.current_thread().name, ident)
         rng = np.random.default_rng(0)
         for size, bucket in self._bound.items():
-            self._warm_bucket(bucket, random_feeds(self.signature.inputs, size, rng))
+            self._lock.acquire_exclusive()
+            try:
+                self._warm_bucket(bucket, random_feeds(self.signature.inputs, size, rng))
+            finally:
+                self._lock.release_exclusive()
         self._ready_threads.add(ident)
 
     def _output_shapes(self: Any, size: int) -> list[tuple[int, ...]]:

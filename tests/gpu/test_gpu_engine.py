@@ -421,7 +421,7 @@ def test_the_cudnn_search_comparison_times_both_searches_on_the_gpu(tiny: onnx.M
     assert all(set(t) == {"1", "8"} and min(t.values()) > 0 for t in entry["timings_ms"].values())
     assert all(set(w) == {"1", "8"} for w in entry["warm_s"].values())
     assert conv_search.verdict(entry["timings_ms"])[0] == entry["choice"]
-    served = conv_search.served_options({"cudnn_conv_algo_search": entry}, config, tiny, options, 30.0)
+    served = conv_search.served_search({"cudnn_conv_algo_search": entry}, config, options)
     with load_config(tiny, config, served) as engine:
         assert engine.describe()["cudnn_conv_algo_search"] == entry["choice"]
         assert_matches_cpu(engine, tiny, 3, 5)
