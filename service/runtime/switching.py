@@ -12,8 +12,8 @@ How (``SwitchingEngine``, what ``runtime.loading`` returns on CUDA):
   ``warm_next`` (``TunesWhileServing``: the job wakes whoever serves the engine): its sessions with their first
   buckets, then every other bucket (each capture checked against a plain run of fresh inputs,
   ``runtime.warming``), then the proof: the candidate against the serving engine on the requests served meanwhile
-  (``SAMPLES``, recorded with their answers) and on fresh inputs at every bucket, within ``REL_L2_TOLERANCE`` and
-  the top-1 rule (``precision.agreement``: fp32 and fp16 alike). Only then does it serve, from the next batch on
+  (``SAMPLES``, recorded with their answers) and on fresh inputs at every bucket, within ``PROOF_REL_L2`` and the
+  top-1 rule (``precision.agreement``: fp32 and fp16 alike). Only then does it serve, from the next batch on
   (no request is lost or answered twice); the old engine is closed, and the record, marked ``proven``, goes to the
   store (a restart builds it at once).
 * A candidate that fails any step is refused store-wide with its reason (``runtime.tuner_faults``: GPU, ORT
@@ -62,6 +62,12 @@ SAMPLE_MAX_ROWS = 16
 """Larger batches are not kept (a copy of their inputs would cost the request more than it teaches)."""
 MAX_ATTEMPTS = 2
 """Candidates built and proven in one process: the tuner's winner, then the next fastest timed one."""
+PROOF_REL_L2 = 2 * REL_L2_TOLERANCE
+"""The relative L2 distance allowed between the candidate's answer and the serving engine's: each is within
+``REL_L2_TOLERANCE`` of the exact answer (the tuner checked the candidate against the CPU provider), so two can be
+twice that apart. Measured: the fused operators against plain NHWC on the demo image model, 8.8e-2 at bucket 2
+on dark pixels (0..3), both within 5e-2 of the CPU (H100, bench/results/coldstart-2026-12-06-h100.json); a
+broken configuration lands near 1 or far above."""
 
 Served = OrtEngine | SplitEngine
 
@@ -336,7 +342,7 @@ class SwitchingEngine:
             self._agree(candidate, inputs, answer, engine.run(inputs), "a served request")
         rng = np.random.default_rng(len(self._tried))
         for size in self.buckets:
-            feeds = random_feeds(self.signature.inputs, size, rng)
+            feeds = proof_feeds(self.signature, size, rng)
             try:
                 reference = self._current.run_parts([feeds])
             except EngineError as exc:  # inputs the model does not take (a value-dependent graph): no evidence
@@ -347,7 +353,7 @@ class SwitchingEngine:
 
     def _agree(self, candidate: _Candidate, inputs: Mapping[str, np.ndarray], reference: dict[str, np.ndarray],
                got: dict[str, np.ndarray], what: str) -> None:
-        check = agreement([(reference, got)], REL_L2_TOLERANCE)
+        check = agreement([(reference, got)], PROOF_REL_L2)
         if not check.ok:
             rows = next(iter(inputs.values())).shape[0]
             raise _Refused(_config_for(candidate.record, candidate.engine, rows),
@@ -438,6 +444,14 @@ class SwitchingEngine:
             return
         inputs = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
         self._samples.append((inputs, {name: np.array(value, copy=True) for name, value in outputs.items()}))
+
+
+def proof_feeds(signature: Any, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Fresh inputs for the proof: ``random_feeds``, but an image's pixels (uint8) over their whole range, as
+    clients send them (0..3 gives near-black images, whose small logits make relative errors large)."""
+    feeds = random_feeds(signature.inputs, rows, rng)
+    return {name: rng.integers(0, 256, value.shape, dtype=np.uint8) if value.dtype == np.uint8 else value
+            for name, value in feeds.items()}
 
 
 def _parts(engine: Served, record: Mapping[str, Any]) -> list[tuple[OrtEngine, Config]]:
