@@ -113,15 +113,15 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
     assert [c.key for c in only_fused] == ["fused/nhwc/fp16", "fused/nchw/fp16"]
 
 
-def test_the_default_configuration_is_plain_fp32_nchw_with_graphs_unless_refused(
+def test_the_default_configuration_is_plain_fp32_nhwc_with_graphs_unless_refused(
     candidates: dict[str, onnx.ModelProto]
 ) -> None:
     options = EngineOptions()
-    assert default_config(candidates, options).key == "plain/nchw/fp32"
-    assert default_config(candidates, options, {"plain/nchw/fp32": "faulted"}).key == "plain/nhwc/fp32"
+    assert default_config(candidates, options).key == "plain/nhwc/fp32"
+    assert default_config(candidates, options, {"plain/nhwc/fp32": "faulted"}).key == "plain/nchw/fp32"
     both = {"plain/nhwc/fp32": "faulted", "plain/nchw/fp32": "faulted"}
-    assert default_config(candidates, options, both).key == "plain/nchw/fp32/no-graph"
-    assert default_config(candidates, options.replace(cuda_graph=False)).key == "plain/nchw/fp32/no-graph"
+    assert default_config(candidates, options, both).key == "plain/nhwc/fp32/no-graph"
+    assert default_config(candidates, options.replace(cuda_graph=False)).key == "plain/nhwc/fp32/no-graph"
     assert default_config({"fused": candidates["fused"]}, options).variant == "fused"  # the only graph there is
 
 
@@ -302,7 +302,7 @@ def test_a_zero_tuning_budget_serves_the_default_and_never_tunes(
     first = tuner.serve_first(candidates, CPU.replace(tune_budget_s=0.0), precision="fp32")
     first.engine.close()
     assert first.plan is None and gpu_x.started == []
-    assert first.record["choice"] == Config("plain", False, "fp32", False).to_dict()
+    assert first.record["choice"] == Config("plain", True, "fp32", False).to_dict()
     assert "never timed" in first.record["reason"] and first.record["device"] == "GPU X"
     later = tuner.serve_first(candidates, CPU.replace(tune_budget_s=5.0), precision="fp32")
     later.engine.close()

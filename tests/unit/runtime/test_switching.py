@@ -83,7 +83,7 @@ def test_it_serves_at_once_then_switches_to_the_tuned_winner_once_proven(
     woken: list[int] = []
     with serving(candidates, reports) as engine:
         engine.on_more_work(lambda: woken.append(1))
-        assert engine.variant == "plain/nchw/fp32" and gpu.started == []  # nothing tuned before it is warm
+        assert engine.variant == "plain/nhwc/fp32" and gpu.started == []  # nothing tuned before it is warm
         before = engine.run(feeds(3, seed=1))["y"]
         run_steps(engine)
         assert woken == [1]  # the job woke whoever serves the engine
@@ -98,15 +98,15 @@ def test_the_winner_already_serving_is_proven_as_it_stands(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     believe_gpu(monkeypatch)
-    FakeChildren({"plain/nchw/fp32": 0.1}).install(monkeypatch)
+    FakeChildren({"plain/nhwc/fp32": 0.1}).install(monkeypatch)
     reports = Kept()
     with serving(candidates, reports) as engine:
         served = engine._current
         run_steps(engine)
-        assert engine._current is served and engine.variant == "plain/nchw/fp32"
+        assert engine._current is served and engine.variant == "plain/nhwc/fp32"
         (record,) = reports.proven_records
-        assert record["proven"] is True and record["choice"] == Config("plain", False, "fp32", False).to_dict()
-        assert "plain/nchw/fp32" in record["timings_ms"]
+        assert record["proven"] is True and record["choice"] == Config("plain", True, "fp32", False).to_dict()
+        assert "plain/nhwc/fp32" in record["timings_ms"]
 
 
 def test_a_candidate_that_answers_differently_is_refused_and_the_next_is_tried(
@@ -122,10 +122,10 @@ def test_a_candidate_that_answers_differently_is_refused_and_the_next_is_tried(
         engine.run(feeds(2))  # a served request, kept for the proof
         assert len(engine._samples) == 1
         run_steps(engine)
-        assert engine.variant == "plain/nchw/fp32" and reports.proven_records == []
+        assert engine.variant == "plain/nhwc/fp32" and reports.proven_records == []
         assert [(r["config"], r["kind"]) for r in reports.refusals] == [("fused/nchw/fp32", "mismatch"),
                                                                         ("fused/nhwc/fp32", "mismatch")]
-        assert "answered differently from plain/nchw/fp32 on a served request" in reports.refusals[0]["error"]
+        assert "answered differently from plain/nhwc/fp32 on a served request" in reports.refusals[0]["error"]
         assert engine.state.startswith("fused/nhwc/fp32 refused")
 
 
@@ -144,7 +144,7 @@ def test_a_gpu_fault_while_serving_is_recorded_and_every_later_call_says_the_con
     with pytest.raises(GpuFaultError, match="CUDA failure 715"):
         engine.run(feeds(1))
     (entry,) = reports.refusals
-    assert entry["config"] == "plain/nchw/fp32" and entry["kind"] == "fault" and "715" in entry["error"]
+    assert entry["config"] == "plain/nhwc/fp32" and entry["kind"] == "fault" and "715" in entry["error"]
     with pytest.raises(GpuFaultError, match="context is lost"):
         engine.run(feeds(1))
     assert calls == [1] and engine.warm_next() is False and engine.lost
@@ -218,3 +218,25 @@ def test_closing_stops_the_tuning(candidates: dict[str, onnx.ModelProto], monkey
         time.sleep(0.01)
     engine.close()
     assert engine._job is None or engine._job._cancel.is_set()
+
+
+def test_the_proof_draws_pixels_over_their_range_and_allows_two_engines_each_within_tolerance() -> None:
+    """Two GPU configurations are each within REL_L2_TOLERANCE of the exact answer, so the proof allows twice
+    that between them; an image's pixels are drawn over 0..255 (dark pixels made two good engines 8.8e-2 apart)."""
+    from service.runtime.contract import Signature, TensorSpec
+    from service.runtime.precision import REL_L2_TOLERANCE, agreement
+
+    signature = Signature((TensorSpec("image", np.dtype(np.uint8), (None, 3, 4, 4)),
+                           TensorSpec("scale", np.dtype(np.float32), (None, 1))),
+                          (TensorSpec("y", np.dtype(np.float32), (None, 10)),))
+    feeds = switching.proof_feeds(signature, 64, np.random.default_rng(0))
+    assert feeds["image"].dtype == np.uint8 and feeds["image"].max() > 200 and feeds["scale"].dtype == np.float32
+    exact = np.random.default_rng(1).standard_normal((8, 10))
+    direction = np.random.default_rng(2).standard_normal((8, 10))
+    direction *= np.linalg.norm(exact) / np.linalg.norm(direction)
+    one, other = exact + 0.9 * REL_L2_TOLERANCE * direction, exact - 0.9 * REL_L2_TOLERANCE * direction
+    assert agreement([({"y": exact}, {"y": one})], REL_L2_TOLERANCE).ok  # each within tolerance of the exact
+    assert not agreement([({"y": one}, {"y": other})], REL_L2_TOLERANCE).ok  # 1.8x apart: the plain bound refuses
+    assert switching.PROOF_REL_L2 == 2 * REL_L2_TOLERANCE
+    assert agreement([({"y": one}, {"y": other})], switching.PROOF_REL_L2).ok
+    assert not agreement([({"y": exact}, {"y": exact + direction})], switching.PROOF_REL_L2).ok  # broken: ~1

@@ -66,11 +66,10 @@ def test_a_refused_configuration_is_neither_timed_nor_the_default(
     assert outcome.record["skipped"]["plain/nhwc/fp32"].startswith("refused on this GPU and ORT version (faulted: ")
     assert not outcome.refusals  # nothing new
     refused = Identity.of(candidates, OPTIONS).refused(stored)
-    assert default_config(candidates, OPTIONS, refused).key == "plain/nchw/fp32"  # the default, not refused
-    nchw = [{**stored[0], **fault_entry(Config("plain", False, "fp32", False), "GPU X", graphs["plain"], FAULT_715)}]
-    first = tuner.serve_first(candidates, OPTIONS, known_faults=nchw)
+    assert default_config(candidates, OPTIONS, refused).key == "plain/nchw/fp32"  # the next by evidence
+    first = tuner.serve_first(candidates, OPTIONS, known_faults=stored)
     first.engine.close()
-    assert first.record["choice"] == Config("plain", True, "fp32", False).to_dict()  # the next by evidence
+    assert first.record["choice"] == Config("plain", False, "fp32", False).to_dict()
 
 
 @pytest.mark.parametrize(
