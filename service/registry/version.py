@@ -19,10 +19,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.errors import EngineError, ModelNotReadyError, RequestTimeoutError, ServiceError
+from service.errors import (
+    EngineError,
+    GpuFaultError,
+    ModelNotReadyError,
+    RequestTimeoutError,
+    ServiceError,
+    UnprocessableError,
+)
 from service.model_config import EffectiveConfig
 from service.registry.metadata import VersionMetadata
 from service.registry.statistics import VersionStatistics
+from service.registry.warmup_inputs import kinds_tried, warmup_requests
 from service.runtime.batcher import Batcher, BatchPolicy
 from service.runtime.contract import Engine, InferenceRequest, Signature
 from service.runtime.engine_thread import EngineThreads
@@ -159,17 +167,33 @@ class ModelVersion:
                                 threads=threads, recover=self._recover)
         self._reporter.on_depth(0)  # the series exists from the start
         self._batcher.start()
-        warm = self._warmup_request()
-        if warm is not None:
+        await self._warm_path()
+        self.statistics.reset()  # the warm-up is not a client's inference
+        self.state = ModelState.READY
+
+    async def _warm_path(self) -> None:
+        """One request through the whole path, on inputs the original ran on (``registry.warmup_inputs``): the
+        first that runs warms it; a value-dependent failure costs that input only, and only a model that fails
+        on all of them is refused (422, naming the error)."""
+        assert self._batcher is not None
+        report = self.metadata.report() if self.metadata is not None else None
+        failures: list[str] = []
+        for request in warmup_requests(self.signature, report):
             try:
-                await self._batcher.submit(warm)
+                await self._batcher.submit(request)
+                return
             except RequestTimeoutError:  # not the client's timeout: say what did not finish
                 raise EngineError(
                     f"the warm-up run of {self.name!r} version {self.version} did not finish within "
                     f"{self.config.timeout_s:g} s; the engine may be stuck (the server log says where)"
                 ) from None
-        self.statistics.reset()  # the warm-up is not a client's inference
-        self.state = ModelState.READY
+            except GpuFaultError:
+                raise
+            except EngineError as exc:
+                failures.append(exc.message)
+        if failures:
+            raise UnprocessableError(f"the model failed on every input it was warmed with "
+                                     f"({', '.join(kinds_tried(report))}): {failures[0]}")
 
     async def _recover(self, engine: Any, error: BaseException) -> bool:
         return self.recover is not None and await self.recover(self, engine, error)
@@ -185,13 +209,6 @@ class ModelVersion:
     @property
     def engine(self) -> Engine | None:
         return self._engine
-
-    def _warmup_request(self) -> InferenceRequest | None:
-        """Zeros of batch 1 when every non-batch dim is fixed (else no safe shape is known)."""
-        if not self.signature.fixed_shapes:
-            return None
-        inputs = {s.name: np.zeros((s.shape[0] or 1, *s.shape[1:]), s.dtype) for s in self.signature.inputs}
-        return self.signature.request(inputs)
 
     def fail(self, exc: BaseException) -> None:
         """FAILED, with what a client may read: ServiceError messages are client-safe, others only by type."""

@@ -156,7 +156,8 @@ def summary(info: dict[str, Any]) -> str:
     warm = ", ".join(f"b{bucket} {seconds:.2f}" for bucket, seconds in info["warm_s"].items())
     times = f"session {info['session_s']:.2f}s, warm {sum(info['warm_s'].values()):.2f}s ({warm})"
     if info["device_id"] is None:
-        return f"{head}; max batch {info['max_batch_size']}, {info['load_s']:.2f}s to load: {times}"
+        # the engine's largest call, not the model's batch limit (the batcher's, from its config): not "max batch"
+        return f"{head}; up to {info['max_batch_size']} rows per call, {info['load_s']:.2f}s to load: {times}"
     graphs = "CUDA graph per bucket" if info["cuda_graph"] else "no CUDA graphs"
     return (f"{head}; buckets {info['buckets']}, {graphs}, host-to-device {info['host_to_device']}, prefer_nhwc "
             f"{info['prefer_nhwc']}, fuse_conv_bias {info['fuse_conv_bias']}, cuDNN search "

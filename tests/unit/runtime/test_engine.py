@@ -523,3 +523,16 @@ def test_the_warm_up_finds_inputs_the_model_runs_on() -> None:
     model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.float32(100), "zero"))  # minima >= 100: none of them
     with pytest.raises(EngineError, match="warm-up failed"):
         OrtEngine.load(model, CPU_OPTIONS)
+
+
+def test_the_load_line_does_not_call_the_largest_bucket_the_models_batch_limit() -> None:
+    """A model with max_batch_size 32 served with buckets up to 64 must not log "max batch 64": the line says how
+    many rows one call of the engine takes."""
+    from engine_models import conv_relu_net
+
+    from service.runtime.engine import OrtEngine
+    from service.runtime.engine_loading import summary
+
+    with OrtEngine.load(conv_relu_net(), EngineOptions(device="cpu", buckets=(1, 64))) as engine:
+        line = summary(engine.describe())
+    assert "max batch" not in line and "up to 64 rows per call" in line
