@@ -87,16 +87,22 @@ async def infer(manager: ModelManager, name: str) -> np.ndarray:
     return (await mv.infer(mv.signature.request({"x": X}))).outputs["y"]
 
 
+async def serving(tmp_path: Path, loaders: Loaders, *names: str) -> ModelManager:
+    """A one-process server whose engines start with ``loaders.in_process`` and move with ``relocate``, serving
+    the doubler under each name, each checked once."""
+    manager = ModelManager(settings_for(tmp_path), engine_loader=loaders.in_process, relocate=loaders.relocate)
+    await manager.start()
+    for name in names:
+        await upload(manager, name, doubler())
+        np.testing.assert_array_equal(await infer(manager, name), X * 2)
+    return manager
+
+
 def test_the_first_gpu_fault_moves_every_model_to_an_engine_process_and_costs_one_retry(tmp_path: Path) -> None:
     loaders = Loaders()
 
     async def main() -> None:
-        manager = ModelManager(settings_for(tmp_path), engine_loader=loaders.in_process,
-                               relocate=loaders.relocate)
-        await manager.start()
-        await upload(manager, "a", doubler())
-        await upload(manager, "b", doubler())
-        np.testing.assert_array_equal(await infer(manager, "a"), X * 2)
+        manager = await serving(tmp_path, loaders, "a", "b")
         for engine in loaders.here:  # the process's CUDA context is lost: every engine here faults
             engine.faulted.set()
         answers = await asyncio.gather(*(infer(manager, "a") for _ in range(6)))
@@ -122,10 +128,7 @@ def test_a_fault_in_the_engine_process_is_survived_there_again(tmp_path: Path) -
     loaders = Loaders()
 
     async def main() -> None:
-        manager = ModelManager(settings_for(tmp_path), engine_loader=loaders.in_process,
-                               relocate=loaders.relocate)
-        await manager.start()
-        await upload(manager, "a", doubler())
+        manager = await serving(tmp_path, loaders, "a")
         loaders.here[0].faulted.set()
         np.testing.assert_array_equal(await infer(manager, "a"), X * 2)
         moved = loaders.there[-1]
