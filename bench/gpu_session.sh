@@ -31,10 +31,10 @@
 # ../shared/gpu/stage, each as: source .gpu/device-setup.sh && GIT_COMMIT=<commit> bench/gpu_session.sh PARTS
 #   0. check tests    ~3-5 min (TESTS_TIMEOUT_S 300): tests/gpu, among them the engine warmed and served on its
 #                     own thread (no second capture) and the cuDNN search comparison on the GPU.
-#   1. check cold     ~8-9 min: the warm store is prepared once (a fresh start: 1-2 min), 30 warm starts
-#                     6 at once (~10 s each: ~1 min), then fresh starts 5 at once until COLD_DEADLINE_S (400 s;
-#                     at ~45-90 s per start, 20-30 of the 30). If fewer than 30 fresh starts ran, a second
-#                     call: COLD_RUNS=<missing> bench/gpu_session.sh coldfresh (~5 min).
+#   1. check cold     ~6-7 min: the warm store is prepared once (a fresh start that serves until its tuning has
+#                     proven a record: ~1-2 min), 30 warm starts 6 at once, then fresh starts 5 at once until
+#                     COLD_DEADLINE_S (400 s; ~12-15 s per start and its 100 checked requests: 20-30 of the 30).
+#                     If fewer than 30 fresh starts ran, a second call: COLD_RUNS=<missing> ... coldfresh (~1.5 min).
 #   2. engine         ~9 min (ENGINE_DEADLINE_S 500): the engine table.
 #   3. service        ~9 min: the service table.
 # Result files (in session.tgz): coldstart.json (per store: ready_s p50, max and every start, each start's
