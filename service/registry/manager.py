@@ -1,12 +1,14 @@
 """The control plane of one server process: which model versions exist, and getting them served.
 
 Data paths (design.md): an upload is validated, optimized and verified in a resource-limited child process
-(``sandbox``), stored atomically as the next version (``store``), loaded (the engine's tuner picks the
-fastest variant), warmed and only then returned READY; a failure at any step leaves nothing on disk. At
+(``sandbox``), stored atomically as the next version (``store``), loaded (on a GPU it serves at once and tunes
+once it serves: ``runtime.switching``), warmed and only then returned READY; a failure at any step leaves
+nothing on disk. At
 startup every stored version is loaded again, reusing its optimized files while their cache key (original's
 sha256 + optimizer version + graph settings) and checksums match, otherwise optimizing again (one process at
-a time per version: replicas starting together optimize it once), and reusing the tuner's record made on
-this device. Metadata changes are read-modify-writes under the store's lock, and only when something
+a time per version: replicas starting together optimize it once), and reusing the tuner's record proven on
+this GPU model. An engine that faults the GPU or whose engine process dies is replaced, and its batches run once
+more (``registry.recovery``). Metadata changes are read-modify-writes under the store's lock, and only when something
 changed, so processes sharing the store never undo each other's records. Nothing here
 blocks the event loop: optimizing runs in a child process, disk I/O in threads, and each version's engine is
 loaded, warmed and served by its own engine thread (``runtime.engine_thread``: ONNX Runtime keeps CUDA graphs

@@ -4,8 +4,8 @@ A load runs these phases, in this order (``PHASES``):
 - ``optimize``: optimizing and verifying the original (a child process), or checking that the stored optimized
   files can be reused;
 - ``read``: reading the optimized variants;
-- ``tune``: choosing the configuration (the tuner's child processes, the cuDNN search comparison), or reusing
-  the tuner's record;
+- ``tune``: choosing what serves at once: a proven record of this GPU, the default configuration (the tuner runs
+  once the version serves, ``runtime.switching``: no start waits for it), or the CPU tuner's children;
 - ``session``: building the served ONNX Runtime session(s);
 - ``warm``: warming every bucket on the engine's thread (``warm_buckets``: each bucket's share);
 - ``activate``: starting the batcher and serving one warm-up request through the whole path.
