@@ -40,6 +40,13 @@ class Config:
         key = f"{self.variant}/{layout}/{self.precision}" + ("/conv-bias-fused" if self.fuse_conv_bias else "")
         return key if self.cuda_graph or self.prefer_nhwc is None else key + "/no-graph"
 
+    @classmethod
+    def from_key(cls, key: str) -> Config:
+        """The CUDA configuration a ``key`` names (the tuner's records key their timings by it)."""
+        parts = key.split("/")
+        return cls(parts[0], parts[1] == "nhwc", parts[2], "conv-bias-fused" in parts,
+                   cuda_graph="no-graph" not in parts)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -135,16 +142,21 @@ def _bias_options(model: onnx.ModelProto, *, nhwc: bool, precision: str, graph: 
     return [False, True]
 
 
-def default_config(candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions,
-                   refused: Mapping[str, str] | None = None) -> Config:
-    """The configuration a version serves before it is tuned: the first of ``DEFAULT_PREFERENCE`` for the plain
-    graph in fp32 that is not refused here (see the module docstring for the evidence)."""
+def default_configs(candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions) -> list[Config]:
+    """The configurations a version may serve before it is tuned, in ``DEFAULT_PREFERENCE``'s order: the plain
+    graph in fp32 (see the module docstring for the evidence)."""
     plain = [n for n in candidates if not has_fused_conv(candidates[n]) and not uses_fused_ops(candidates[n])]
     variant = "plain" if "plain" in candidates else (sorted(plain) or sorted(candidates))[0]
-    options = [Config(variant, layout == "nhwc", "fp32", False, cuda_graph=graph and settings.cuda_graph)
-               for layout, graph in DEFAULT_PREFERENCE]
+    return [Config(variant, layout == "nhwc", "fp32", False, cuda_graph=graph and settings.cuda_graph)
+            for layout, graph in DEFAULT_PREFERENCE]
+
+
+def default_config(candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions,
+                   refused: Mapping[str, str] | None = None) -> Config:
+    """The first of ``default_configs`` that is not refused here (the last when all are)."""
+    options = default_configs(candidates, settings)
     return next((c for c in options if c.key not in (refused or {})), options[-1])
 
 
 __all__ = ["DEFAULT_PREFERENCE", "PRECISIONS", "SPLIT_MIN_BUCKET", "Config", "configs_for", "default_config",
-           "has_fused_conv", "load_config", "splits"]
+           "default_configs", "has_fused_conv", "load_config", "splits"]

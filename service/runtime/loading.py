@@ -45,7 +45,7 @@ def load_in_process(request: LoadRequest, reports: TuningReports | None = None) 
     engine = first.engine
     chose_s = time.perf_counter() - started
     info = engine.describe()
-    phases.add("tune", chose_s - float(info.get("load_s", 0.0)), _tune_note(first.record))
+    phases.add("tune", chose_s - float(info.get("load_s", 0.0)), _tune_note(first.record, first.plan is not None))
     phases.add_engine(info)
     if first.identity is not None:  # a GPU: serve, tune once it serves, switch on proof
         engine = SwitchingEngine(first.engine, first.record, candidates=candidates, identity=first.identity,
@@ -53,13 +53,13 @@ def load_in_process(request: LoadRequest, reports: TuningReports | None = None) 
     return LoadedEngine(engine, first.record, phases=phases)
 
 
-def _tune_note(record: dict) -> str:
-    """What the tune phase did: reused a record, served the default, or timed how many configurations."""
+def _tune_note(record: dict, tunes_later: bool) -> str:
+    """What the tune phase did: reused a record, served the default (tuned once it serves, or never: budget 0), or
+    timed how many configurations (the CPU tuner)."""
     if record.get("reused"):
         return "record reused"
     if record.get("tuned") is False:
-        return "default configuration; tuned once it serves" if "never" not in str(record.get("reason")) else \
-            "default configuration, never tuned (budget 0)"
+        return "default configuration; " + ("tuned once it serves" if tunes_later else "never tuned (budget 0)")
     timed = len(record.get("timings_ms") or {})
     return f"{timed} configuration(s) timed" if timed else "untimed"
 

@@ -396,7 +396,7 @@ class SwitchingEngine:
         if not options:
             return None
         key = min(options, key=lambda k: score(timings[k], timings[winner]) if winner in timings else 1.0)
-        config = next(c for c in _timed_configs(record) if c.key == key)
+        config = Config.from_key(key)
         return {k: v for k, v in record.items() if k != "split"} | {
             "choice": config.to_dict(), "reason": f"next fastest after {Config(**record['choice']).key} was refused",
             conv_search.FIELD: conv_search.unmeasured(config, "measured for the winner only")}
@@ -467,16 +467,6 @@ def _config_for(record: Mapping[str, Any], engine: Any, rows: int) -> Config:
     if isinstance(engine, SplitEngine) and engine.bucket_for(rows) in engine.large_buckets:
         return Config(**record["split"]["choice"])
     return Config(**record["choice"])
-
-
-def _timed_configs(record: Mapping[str, Any]) -> list[Config]:
-    """The configurations a tuner record timed, parsed back from their keys."""
-    configs = []
-    for key in record.get("timings_ms") or {}:
-        parts = key.split("/")
-        configs.append(Config(parts[0], parts[1] == "nhwc", parts[2], "conv-bias-fused" in parts,
-                              cuda_graph="no-graph" not in parts))
-    return configs
 
 
 def _same_engine(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

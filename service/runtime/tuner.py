@@ -44,12 +44,12 @@ from service.runtime.child import run_in_child
 from service.runtime.contract import EngineOptions
 from service.runtime.cpu_tuner import select_cpu
 from service.runtime.cuda_configs import (
-    DEFAULT_PREFERENCE,
     PRECISIONS,
     SPLIT_MIN_BUCKET,
     Config,
     configs_for,
     default_config,
+    default_configs,
     load_config,
     splits,
 )
@@ -227,9 +227,7 @@ def _candidate_configs(candidates: Mapping[str, onnx.ModelProto], settings: Engi
     """Every configuration a record may name: the candidates of any precision (a record made under "auto" may
     serve fp16) and the default ones."""
     configs = configs_for(candidates, settings, "auto" if precision != "fp32" else "fp32")
-    defaults = [Config(default_config(candidates, settings).variant, layout == "nhwc", "fp32", False,
-                       cuda_graph=graph and settings.cuda_graph) for layout, graph in DEFAULT_PREFERENCE]
-    return configs + [c for c in defaults if c not in configs]
+    return configs + [c for c in default_configs(candidates, settings) if c not in configs]
 
 
 # ------------------------------------------------------------------------------------------ building

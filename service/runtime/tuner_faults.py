@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +48,13 @@ class Identity:
     """What a record and a refusal are keyed by here: the GPU model, each variant's graph and the library build."""
 
     device: str
-    graphs: dict[str, str]
+    graphs: Mapping[str, str]
     library: str | None
 
     @classmethod
     def of(cls, candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions) -> Identity:
         device = gpu_name(settings.device_id) or f"cuda:{settings.device_id}"
-        graphs = graph_ids({name: model.SerializeToString() for name, model in candidates.items()})
-        return cls(device, graphs, library_id(settings.fused_ops_library))
+        return cls(device, GraphIds(candidates), library_id(settings.fused_ops_library))
 
     def refused(self, faults: Sequence[Mapping[str, Any]]) -> dict[str, str]:
         """Configuration key -> why it is refused here (``runtime.tuner_faults``)."""
@@ -68,9 +67,24 @@ class Identity:
         return fault_entry(config, self.device, self.graphs[config.variant], error, kind=kind, library=library)
 
 
-def graph_ids(payload: Mapping[str, bytes]) -> dict[str, str]:
-    """The sha256 of each variant's serialized graph (what identifies it in an entry)."""
-    return {name: hashlib.sha256(data).hexdigest() for name, data in payload.items()}
+class GraphIds(Mapping[str, str]):
+    """Each variant's graph sha256, computed on first use: a load with no refusal of this GPU and ORT version
+    hashes nothing (a serialized MobileNetV3 costs ~35 ms to hash on the CPU machine, at every load)."""
+
+    def __init__(self, candidates: Mapping[str, onnx.ModelProto]) -> None:
+        self._candidates = candidates
+        self._ids: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._ids:
+            self._ids[name] = hashlib.sha256(self._candidates[name].SerializeToString()).hexdigest()
+        return self._ids[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._candidates)
+
+    def __len__(self) -> int:
+        return len(self._candidates)
 
 
 @functools.cache
@@ -127,7 +141,6 @@ __all__ = [
     "STICKY_CODES",
     "Identity",
     "fault_entry",
-    "graph_ids",
     "is_gpu_fault",
     "known_faults",
     "library_id",

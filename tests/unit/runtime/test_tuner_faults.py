@@ -13,7 +13,7 @@ from fake_gpu import FAULT_715, FakeChildren, believe_gpu
 from service.runtime import tuner
 from service.runtime.contract import EngineOptions
 from service.runtime.cuda_configs import Config, default_config
-from service.runtime.tuner_faults import FAULT, MISMATCH, Identity, fault_entry, graph_ids, is_gpu_fault, known_faults
+from service.runtime.tuner_faults import FAULT, MISMATCH, GraphIds, Identity, fault_entry, is_gpu_fault, known_faults
 
 OPTIONS = EngineOptions(device="cpu", buckets=(1, 4), cudnn_conv_algo_search="EXHAUSTIVE", tune_budget_s=60.0)
 FAULTED = "ChildProcessFailed: " + FAULT_715
@@ -26,7 +26,7 @@ def candidates() -> dict[str, onnx.ModelProto]:
 
 @pytest.fixture(scope="module")
 def graphs(candidates: dict[str, onnx.ModelProto]) -> dict[str, str]:
-    return graph_ids({name: model.SerializeToString() for name, model in candidates.items()})
+    return dict(GraphIds(candidates))
 
 
 def plan(candidates: dict[str, onnx.ModelProto], known: tuple = ()) -> tuner.TuningPlan:
