@@ -139,6 +139,7 @@ __all__ = [
     "FAULT",
     "MISMATCH",
     "STICKY_CODES",
+    "GraphIds",
     "Identity",
     "fault_entry",
     "is_gpu_fault",
