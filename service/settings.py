@@ -3,7 +3,7 @@
 Environment variables use the prefix ``SERVICE_`` (``SERVICE_PORT``, ``SERVICE_MAX_BATCH_SIZE``, ...). User
 settings are what an operator sets; advanced settings (marked ``advanced`` in their schema, listed in
 ``ADVANCED``) exist for the rare deployment that needs them. What used to be a switch for an experiment is a
-constant where it is decided, or a choice the load-time tuner makes. A variable of an earlier release that is
+constant where it is decided, or a choice the tuner makes. A variable of an earlier release that is
 still set stops the server with one line naming it and what replaced it (``check_environment``).
 
 The bounds of the settings that a model's own config may override (batch size, delay, queue, timeout,
@@ -279,9 +279,9 @@ REMOVED: dict[str, str] = {
     "ENGINE__AUTOTUNE_BUDGET_S": "SERVICE_TUNE_BUDGET_S",
     "ENGINE__INTRA_OP_THREADS": "SERVICE_CPU_THREADS",
     "ENGINE__CUDA_GRAPH": "CUDA graphs are captured wherever the model allows",
-    "ENGINE__PREFER_NHWC": "the load-time tuner measures both layouts",
-    "ENGINE__FUSE_CONV_BIAS": "the load-time tuner measures it",
-    "ENGINE__SPLIT_LARGE_BUCKETS": "the load-time tuner decides",
+    "ENGINE__PREFER_NHWC": "the tuner measures both layouts",
+    "ENGINE__FUSE_CONV_BIAS": "the tuner measures it",
+    "ENGINE__SPLIT_LARGE_BUCKETS": "the tuner decides",
     "ENGINE__DIRECT_COPY": "rows are copied to the GPU directly wherever the CUDA runtime is loaded",
     "ENGINE__CPU_SPINNING": "ONNX Runtime's default is kept",
     "OPTIMIZER__FUSED_CONV": "SERVICE_FUSED_CONV",

@@ -20,7 +20,7 @@ CUDA_INTRA_OP_THREADS = 1
 
 @dataclasses.dataclass(frozen=True)
 class CudaTuning:
-    """The CUDA provider options that the load-time tuner chooses per model (``runtime.tuner``)."""
+    """The CUDA provider options that the tuner chooses per model (``runtime.tuner``)."""
 
     prefer_nhwc: bool
     fuse_conv_bias: bool

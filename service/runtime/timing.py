@@ -1,4 +1,4 @@
-"""How the load-time tuners measure an engine and compare two timings (the benchmarks use the same measure).
+"""How the tuners measure an engine and compare two timings (the benchmarks use the same measure).
 
 ``time_batch`` times ``engine.replay`` (no host copies: on CUDA the bare graph replay); candidates are compared
 by ``score``, the geometric mean of their time ratios over the batch sizes both were timed at, so no single

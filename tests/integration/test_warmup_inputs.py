@@ -71,3 +71,24 @@ def test_the_warm_up_takes_the_verified_kinds_first_then_zeros() -> None:
     assert [r.inputs["image"].any() for r in warmup_requests(signature, None)] == [False]
     free = Signature((TensorSpec("image", np.dtype(np.float32), (None, 3, None, None)),), signature.outputs)
     assert warmup_requests(free, {"verify_input_kinds": ["normal"]}) == []  # no safe shape: no warm-up
+
+
+def test_a_model_that_fails_on_every_warm_up_input_is_refused_naming_the_error() -> None:
+    """An engine that fails wherever it runs (the original ran on these inputs) is a 422 naming the error, not a
+    500 (the upload's rollback then removes the version)."""
+    from engine_models import ThreadBoundEngine
+
+    from service.errors import EngineError, UnprocessableError
+    from service.registry.version import ModelVersion
+
+    class Failing(ThreadBoundEngine):
+        def run_parts(self, parts):  # type: ignore[no-untyped-def]
+            raise EngineError("inference failed on CPUExecutionProvider: Reshape node cannot reshape")
+
+    async def main() -> None:
+        mv = ModelVersion("m", 1, None, ModelConfig().effective(settings_for(Path("."))), max_input_bytes=1 << 20)
+        with pytest.raises(UnprocessableError, match=r"failed on every input it was warmed with .*zeros.*Reshape"):
+            await mv.activate(Failing())
+        await mv.shutdown(timeout_s=1)
+
+    asyncio.run(main())

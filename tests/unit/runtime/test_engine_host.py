@@ -754,3 +754,15 @@ def test_each_engine_reports_where_its_request_says(folder: Path, model_file: Pa
         engine = _connect(folder, {"plain": model_file}, label="demo")
         engine.close()
     assert given == [("demo", "reports of demo")]
+
+
+def test_rows_in_a_cuda_region_are_refused_by_the_engine_process_client_with_a_message() -> None:
+    """After a GPU fault moved the engines to the engine process, a CUDA region's rows (never on the host) cannot
+    be sent there: a 400 naming why, not garbage."""
+    from service.errors import InvalidInputError
+    from service.runtime.device_rows import DeviceRows
+
+    signature = GatedEngine().signature
+    rows = DeviceRows.at(object(), 0, 0x1000, np.dtype(np.float32), (2, 4))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="CUDA shared memory is not served while the engines run"):
+        remote._layout(signature, [{"x": rows}])
