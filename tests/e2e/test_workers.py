@@ -259,12 +259,12 @@ def test_a_dead_engine_process_is_replaced_and_the_workers_answer_on(tmp_path: P
     predict = json.dumps({"model": "tiny", "inputs": {"input": x.tolist()}}).encode()
     env = {"SERVICE_WORKERS": "2", "SERVICE_STORE_SYNC_S": "0.2"}
     with running(tmp_path / "models", tmp_path / "logs", env=env) as server:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        upload = {**AUTH, "content-type": "application/octet-stream"}
-        status, body = call(conn, "POST", "/v1/models/tiny", model, upload)
-        assert status == 201, body
-        status, _ = call(conn, "POST", "/predict", predict, {"content-type": "application/json"})
-        assert status == 200
+        pids = worker_pids(server.pid)
+        conns = upload_then_reconnect(server.port, pids, one_connection_per_worker(server.port, pids), model)
+        for conn in conns.values():  # every worker serves it before the loss (the store sync is no part of this)
+            status, _ = call(conn, "POST", "/predict", predict, {"content-type": "application/json"})
+            assert status == 200
+            conn.close()
         old_engine, old_workers = engine_pid(server.pid), worker_pids(server.pid)
         assert old_engine is not None
         os.kill(old_engine, signal.SIGKILL)
