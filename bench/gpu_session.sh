@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's measurements, run there after ../shared/gpu/stage and its setup calls:
 #   bench/gpu_session.sh PART [PART...]
-# PART: check | triton | tests | fused | fault | kbuild | census | cold | coldwarm | coldfresh | engine | shm |
-#       service | all
+# PART: check | triton | tests | fused | fault | shapes | kbuild | census | cold | coldwarm | coldfresh | engine |
+#       shm | service | all
 #   check       nvidia-smi, versions, httptools
 #   triton      installs Triton's server (.gpu/triton/nvidia_pytriton-*.whl, staged by bench/stage_triton.sh and
 #               carried in a call of its own: the script's header says how) into /tmp/site once, and checks that
@@ -14,6 +14,8 @@
 #               COLD_DEADLINE_S, and the file is rewritten after every start (COLD_ENV: extra --env SERVICE_X=Y)
 #   coldwarm    the warm-store half of cold alone; coldfresh the fresh-store half alone
 #   fault       bench/nchw_fault.py (FAULT_DEADLINE_S): which NCHW configurations fault the GPU, sanitized
+#   shapes      bench/graph_shapes.py (SHAPES_REPS, SHAPES_DEADLINE_S): CUDA graphs of every bucket in one
+#               session against one session per bucket, each case in its own process, checked against the CPU
 #   kbuild      python3 -m kernels.build (the fused-op library; skipped when already built from these sources)
 #   census      bench/kernel_census.py: kernels per batch-1 inference, before/after the fused ops where built
 #   engine      bench/engine.py (ENGINE_ARGS; the tuner also times the fused-op variant where it is built)
@@ -100,6 +102,9 @@ PY
     fault)
       run nchw-fault "${FAULT_TIMEOUT_S:-300}" python3 bench/nchw_fault.py --deadline-s "${FAULT_DEADLINE_S:-150}" \
         --out "$S/nchw-fault.json" ;;&
+    shapes)
+      run graph-shapes "${SHAPES_TIMEOUT_S:-280}" python3 bench/graph_shapes.py --reps "${SHAPES_REPS:-3}" \
+        --parallel "${SHAPES_PARALLEL:-8}" --deadline-s "${SHAPES_DEADLINE_S:-200}" --out "$S/graph-shapes.json" ;;&
     kbuild)
       run kernels-build "${KBUILD_TIMEOUT_S:-200}" python3 -m kernels.build --no-fetch ;;&
     census)
@@ -119,7 +124,7 @@ sys.exit(T.find() is None)' 2>/dev/null && servers=$servers,triton
         --servers "${SERVERS:-$servers}" --workers "${WORKERS:-4}" --rounds "${ROUNDS:-2}" \
         --series "${SERIES:-binary}" --concurrency "${CONCURRENCY:-1,8,32,64}" ${SERVICE_ARGS:-} \
         --out "$S/service-cuda.json" ;;&
-    check|triton|tests|fused|fault|kbuild|census|cold|coldwarm|coldfresh|engine|shm|service|all) ;;
+    check|triton|tests|fused|fault|shapes|kbuild|census|cold|coldwarm|coldfresh|engine|shm|service|all) ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

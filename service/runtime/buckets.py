@@ -37,6 +37,7 @@ class Bucket:
     outputs: dict[str, Any]
     staging: dict[str, np.ndarray]
     run_options: ort.RunOptions
+    session: Any = None  # ort.InferenceSession: the bucket's own (``runtime.engine`` says why)
 
 
 def preallocatable(signature: Signature) -> bool:
@@ -74,7 +75,7 @@ def bind(
     for spec, shape in zip(signature.outputs, output_shapes, strict=True):
         outputs[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, spec.dtype, *device)
         binding.bind_ortvalue_output(spec.name, outputs[spec.name])
-    return Bucket(size, binding, inputs, outputs, staging, run_options(graph_id))
+    return Bucket(size, binding, inputs, outputs, staging, run_options(graph_id), session)
 
 
 def read_outputs(bucket: Bucket, n: int, batched: frozenset[str], *, copy: bool) -> dict[str, np.ndarray]:

@@ -215,6 +215,16 @@ def cuda_status(device_id: int = 0) -> tuple[bool, str]:
         return _cuda_status_cached(device_id)
 
 
+def probe_in_background(device_id: int) -> threading.Thread:
+    """Start ``cuda_status(device_id)`` now, in a daemon thread: its test session creates this process's CUDA
+    context and loads the provider's libraries (about 1 s on the H100), overlapping whatever the process does
+    before its first load (building the demo model, the optimizer child). A load needs ``cuda_status`` first and
+    waits for the probe's result there (``_probe_lock``), so nothing else of this process touches the GPU before."""
+    thread = threading.Thread(target=cuda_status, args=(device_id,), name="cuda-probe", daemon=True)
+    thread.start()
+    return thread
+
+
 def gpu_name(device_id: int = 0) -> str | None:
     """The GPU's name from the driver (e.g. "NVIDIA H200"); None without a usable driver/device."""
     with _probe_lock:

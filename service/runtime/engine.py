@@ -1,13 +1,17 @@
-"""One ONNX Runtime session per model, fast on CUDA: IO binding and one CUDA graph per batch bucket.
+"""A model's engine, fast on CUDA: IO binding, and per batch bucket its own ONNX Runtime session and CUDA graph.
 
 Why it looks like this: at batch 1 a CNN's GPU time is mostly launch overhead, so on CUDA every batch-size
 bucket (default 1, 2, 4, ..., 64) gets preallocated device buffers bound once (IO binding) and its own
 captured CUDA graph (``gpu_graph_id``); a batch of n samples goes into the smallest warm bucket >= n, each
 part's rows copied straight to their rows of the device buffer, the graph is replayed, and the first n output
-rows are copied back. A bucket's first run (cuDNN's plans for a new shape) and capture cost seconds, so
-``load()`` warms the smallest bucket and the serving thread the others, one at a time (``runtime.warming``).
-On the CPU provider IO binding brings nothing: the session runs numpy arrays directly, the buckets only cap the
-rows per call.
+rows are copied back. Each bucket has a session of its own: ORT's cuDNN convolution keeps one cuDNN plan per
+node and rebuilds it (destroying the old one) whenever the node sees another shape, so in a session shared by
+the buckets a graph captured at one size replays kernels of a plan destroyed since (CUDA 715 "illegal
+instruction", 700, 716, 719 at replay: docs/benchmarks.md), and a graphless run rebuilds the plans at every
+change of size. A bucket's first run (cuDNN's plans for its shape) and capture cost seconds, so ``load()``
+warms the smallest bucket and the serving thread the others, one at a time (``runtime.warming``). On the
+CPU provider IO binding brings nothing: one session runs numpy arrays directly, the buckets only cap the rows
+per call.
 
 Invariants: one thread at a time calls ``run_parts`` (a second concurrent caller gets an EngineError rather
 than corrupting the shared device buffers). Inputs come checked against the model's ``Signature`` (an
@@ -17,7 +21,7 @@ an engine is built, warmed and served by ONE thread (the registry's ``runtime.en
 the engine process's serving thread): each bucket is warmed exactly once, on that thread. A
 call from any other thread still works (its graphs are captured first, at the cost of a second warm-up), but
 it is logged as a warning: the server never does it. Captures and every other CUDA call of this process's
-engines are kept apart by ``device.CUDA_LOCK``, so several engines can share a GPU. How the session is built
+engines are kept apart by ``device.CUDA_LOCK``, so several engines can share a GPU. How the sessions are built
 and how long it took: ``runtime.engine_loading``.
 """
 
@@ -27,7 +31,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 
 class OrtEngine(BucketWarming):
-    """One ONNX Runtime session with IO binding per bucket (and one CUDA graph per bucket on CUDA)."""
+    """ONNX Runtime sessions with IO binding: one per bucket, each with its CUDA graph on CUDA (``new_session``
+    makes the later buckets' sessions; without it, or without IO binding, ``session`` serves every bucket)."""
 
     max_concurrent_calls = 1
 
@@ -69,8 +74,10 @@ class OrtEngine(BucketWarming):
         buckets: tuple[int, ...],
         variant: Variant,
         io_binding: bool | None = None,
+        new_session: Callable[[], ort.InferenceSession] | None = None,
     ) -> None:
-        self._session = session
+        self._session = session  # the first bucket's (and the numpy path's)
+        self._new_session = new_session  # dropped once every bucket is warm (it keeps the model's bytes)
         self.signature = Signature.from_onnx(model)
         self.provider = choice.provider
         self.buckets = buckets
@@ -233,7 +240,7 @@ class OrtEngine(BucketWarming):
                 self._copier.copy(bucket, parts)
             else:
                 copy_through_staging(bucket, parts, sizes)
-            self._session.run_with_iobinding(bucket.binding, bucket.run_options if options is None else options)
+            bucket.session.run_with_iobinding(bucket.binding, bucket.run_options if options is None else options)
             bucket.binding.synchronize_outputs()
             return read_outputs(bucket, n, self._batched, copy=self._io_device[0] == "cpu")
         finally:
@@ -283,7 +290,7 @@ class OrtEngine(BucketWarming):
         try:
             if self._io_binding:
                 bucket = self._bound[size]
-                self._session.run_with_iobinding(bucket.binding, bucket.run_options)
+                bucket.session.run_with_iobinding(bucket.binding, bucket.run_options)
                 bucket.binding.synchronize_outputs()
                 return
             feeds = self._replay_feeds.get(size)
@@ -317,6 +324,7 @@ class OrtEngine(BucketWarming):
                 self._bound.clear()
                 self._replay_feeds.clear()
                 self._session = None  # type: ignore[assignment]
+                self._new_session = None
             finally:
                 self._lock.release_shared()
 
@@ -350,6 +358,7 @@ def _description(engine: OrtEngine, choice: DeviceChoice, built: Variant, option
         "buckets": list(engine.buckets),
         "max_batch_size": engine.max_batch_size,
         "io_binding": engine.host_to_device != "feeds",
+        "sessions": len({id(bucket.session) for bucket in engine._bound.values()}) or 1,
         "host_to_device": engine.host_to_device,
         "cuda_graph": built.cuda_graph,
         "cuda_graph_fallback": built.graph_fallback,

@@ -1,5 +1,5 @@
-"""Building an engine's session: the device, the buckets, ORT's session (with CUDA graphs when they work), and
-the log line that says how long each step took.
+"""Building an engine's sessions: the device, the buckets, ORT's session of the first bucket (with CUDA graphs when
+they work) and how to make the others', and the log line that says how long each step took.
 
 ``load_engine`` is ``OrtEngine.load``'s body; the engine class hands in ``warmed``, the function that wraps a
 session in an engine and warms its first bucket on the calling thread (so this module needs no engine import;
@@ -12,6 +12,7 @@ phase log (``runtime.phases``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -50,8 +51,9 @@ class Variant:
 E = TypeVar("E")
 """The engine class ``warmed`` makes (``OrtEngine``)."""
 Warmed = Callable[..., E]
-"""``warmed(session, model, *, choice, options, buckets, variant, io_binding=None)``: the engine, its first bucket
-warmed on the calling thread (closed again if the warm-up fails)."""
+"""``warmed(session, model, *, choice, options, buckets, variant, io_binding=None, new_session=None)``: the engine,
+its first bucket warmed on the calling thread (closed again if the warm-up fails); ``new_session`` makes the
+session of each later bucket (``runtime.engine`` says why each bucket has its own)."""
 
 
 def engine_buckets(requested: Sequence[int], inputs: Sequence[TensorSpec]) -> tuple[int, ...]:
@@ -93,8 +95,9 @@ def load_engine(
         choice, nodes = (openvino_choice(choice), ep_nodes(session)) if openvino else (choice, None)
         precision = openvino or graph_precision(proto)
         built = Variant(variant, None, None, False, None, len(proto.graph.node), ops, precision, nodes)
+        more = None if openvino else functools.partial(cpu_session, data, options, custom_ops)
         engine = warmed(session, proto, choice=choice, options=options, buckets=buckets, variant=built,
-                        io_binding=io_binding_on_cpu)
+                        io_binding=io_binding_on_cpu, new_session=more)
         engine.session_s = session_s
     engine.load_s = time.perf_counter() - started
     logger.info("%s", summary(engine.describe()))
@@ -129,7 +132,8 @@ def _load_cuda(
             begun = time.perf_counter()
             session = cuda_session(data, options, tuning, graph=True, custom_ops=custom_ops)
             session_s += time.perf_counter() - begun
-            engine = warmed(session, proto, variant=built(True), **common)
+            more = functools.partial(cuda_session, data, options, tuning, graph=True, custom_ops=custom_ops)
+            engine = warmed(session, proto, variant=built(True), new_session=more, **common)
             engine.session_s = session_s
             return engine
         except GraphUnusable as exc:
@@ -141,7 +145,8 @@ def _load_cuda(
         begun = time.perf_counter()
         session = cuda_session(data, options, tuning, graph=False, custom_ops=custom_ops)
         session_s += time.perf_counter() - begun
-        engine = warmed(session, proto, variant=built(False, fallback), **common)
+        more = functools.partial(cuda_session, data, options, tuning, graph=False, custom_ops=custom_ops)
+        engine = warmed(session, proto, variant=built(False, fallback), new_session=more, **common)
     except EngineError:
         raise
     except Exception as exc:

@@ -1,6 +1,6 @@
 """How an engine's buckets get warm: the smallest at load, the others one at a time once the engine serves.
 
-Why: warming a bucket (binding its buffers, the first run of its shape, the capture of its CUDA graph) cost
+Why: warming a bucket (its session, binding its buffers, the first run of its shape, the capture of its CUDA graph) cost
 3-4 s per bucket on the H200 with cuDNN's HEURISTIC search as with EXHAUSTIVE (26 s for the demo model's 7
 buckets on every start: bench/results/coldstart-2026-12-02-h200-warm-all.json): CPU work in the first runs
 that no cache carries from one process to the next. So ``load()`` warms the smallest
@@ -55,7 +55,11 @@ class WarmBuckets:
 
     def pending(self) -> int | None:
         """The next bucket to warm (ascending), None once every bucket is warm or left out."""
-        return next((s for s in self.all if s not in self.warm and s not in self.failed), None)
+        return self.pending_after(None)
+
+    def pending_after(self, size: int | None) -> int | None:
+        """``pending()`` once ``size`` (being warmed now) is warm too."""
+        return next((s for s in self.all if s not in self.warm and s not in self.failed and s != size), None)
 
     @property
     def largest(self) -> int:
@@ -109,25 +113,33 @@ class BucketWarming:
             self._warm_one(size, first=False)
 
     def _warm_one(self: Any, size: int, *, first: bool) -> None:
-        """Bind a bucket and run it (CUDA: capture its graph, and check a replay against a plain run). The
-        first bucket must warm; a later one whose replay disagrees is left out, logged."""
+        """Bind a bucket to its session (a new one, but for the first bucket: ``runtime.engine`` says why) and
+        run it (CUDA: capture its graph, and check a replay against a plain run). The first bucket must warm; a
+        later one whose replay disagrees is left out, logged."""
         started = time.perf_counter()
         rng = np.random.default_rng(size)
+        session = self._session if first or self._new_session is None else self._new_session()
         self._lock.acquire_exclusive()
         try:
             graph_id = self.buckets.index(size) + 1 if self._built.cuda_graph else None
-            self._bound[size] = bind(self._session, self.signature, size, graph_id, self._output_shapes(size),
+            self._bound[size] = bind(session, self.signature, size, graph_id, self._output_shapes(size, session),
                                      self._io_device)
             plain, replay = self._warm_bucket(self._bound[size], random_feeds(self.signature.inputs, size, rng))
         finally:
             self._lock.release_exclusive()
+        if self._warmth.pending_after(size) is None:
+            self._new_session = None  # every bucket has its session: the model's bytes go
         if self._built.cuda_graph:
             try:
                 check_replay(plain, replay, size)
             except GraphUnusable as exc:
                 if first:
                     raise
-                del self._bound[size]
+                self._lock.acquire_shared()  # its session's cudaFree must not meet another engine's capture
+                try:
+                    del self._bound[size], session
+                finally:
+                    self._lock.release_shared()
                 self._warmth.fail(size, str(exc))
                 logger.warning("engine %s: bucket %d left out: %s", self.variant, size, exc)
                 return
@@ -172,13 +184,14 @@ class BucketWarming:
                 self._lock.release_exclusive()
         self._ready_threads.add(ident)
 
-    def _output_shapes(self: Any, size: int) -> list[tuple[int, ...]]:
-        """Output shapes for a bucket: from the declared shapes, else from one plain (uncaptured) run."""
+    def _output_shapes(self: Any, size: int, session: Any) -> list[tuple[int, ...]]:
+        """Output shapes for a bucket: from the declared shapes, else from one plain (uncaptured) run of
+        ``session``."""
         declared = [spec.shape for spec in self.signature.outputs]
         if all(all(d is not None for d in shape[1:]) for shape in declared):
             return [(size if shape[0] is None else shape[0], *shape[1:]) for shape in declared]
         probe = run_options(-1 if self._built.cuda_graph else None)  # -1: run without capturing
-        results = self._session.run(self._output_names, random_feeds(self.signature.inputs, size), probe)
+        results = session.run(self._output_names, random_feeds(self.signature.inputs, size), probe)
         return [tuple(r.shape) for r in results]
 
 

@@ -269,9 +269,12 @@ def engine_process_main(settings: ServiceSettings, address: HostAddress, ready: 
     """
     from service.metrics import EngineProcessMetrics
     from service.registry.tuning_records import reports_in
+    from service.runtime.device import probe_in_background
     from service.runtime.engine_process.host import EngineHost
 
     configure_process(settings)
+    if device.ordinal is not None:
+        probe_in_background(device.ordinal)  # the CUDA context while the workers start and ask for models
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

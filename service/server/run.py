@@ -155,6 +155,7 @@ def serve_single(settings: ServiceSettings, device: Device | None = None) -> int
     ``registry.recovery``)."""
     from service.metrics import Metrics
     from service.registry.manager import ModelManager
+    from service.runtime.device import probe_in_background
     from service.server.engines import StandbyEngine
 
     configure_process(settings)
@@ -163,7 +164,10 @@ def serve_single(settings: ServiceSettings, device: Device | None = None) -> int
     except OSError as exc:
         log.error("%s", cannot_listen(settings.host, settings.port, exc))
         return 1
-    standby = StandbyEngine(settings, device) if device is not None and device.ordinal is not None else None
+    ordinal = None if device is None else device.ordinal
+    if ordinal is not None:
+        probe_in_background(ordinal)  # the CUDA context while the store is prepared (demo model, optimizer)
+    standby = StandbyEngine(settings, device) if device is not None and ordinal is not None else None
     metrics = Metrics()
     manager = ModelManager(settings, metrics=metrics, relocate=standby.loader if standby is not None else None)
     try:

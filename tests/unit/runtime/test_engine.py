@@ -346,6 +346,31 @@ def test_cuda_status_is_quiet_and_explains(capfd: pytest.CaptureFixture[str]) ->
     assert cuda_status(0) == (usable, reason)  # cached
 
 
+def test_the_background_probe_answers_the_loads_that_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``probe_in_background`` runs the CUDA probe once, in a daemon thread; a caller meanwhile waits for its
+    result rather than probing again."""
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_probe(device_id: int) -> tuple[bool, str]:
+        calls.append(device_id)
+        started.set()
+        release.wait(5)
+        return False, "probed in the background"
+
+    monkeypatch.setattr(device, "_cuda_status_cached", slow_probe)
+    thread = device.probe_in_background(3)
+    assert thread.daemon and started.wait(5)
+    answers: list[tuple[bool, str]] = []
+    caller = threading.Thread(target=lambda: answers.append(device.cuda_status(3)))
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and not answers  # it waits for the probe in flight
+    release.set()
+    thread.join(5)
+    caller.join(5)
+    assert answers == [(False, "probed in the background")] and calls[0] == 3
+
+
 @pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
 def test_auto_falls_back_to_cpu_with_one_log_line(
     model: onnx.ModelProto, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
@@ -476,6 +501,27 @@ def test_load_warms_the_smallest_bucket_and_the_serving_thread_the_others(model:
         np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
 
 
+def test_each_bucket_runs_on_a_session_of_its_own(model: onnx.ModelProto) -> None:
+    """With IO binding every bucket gets its own session (a cuDNN plan per node and shape: ``runtime.engine``),
+    the first the load's; the maker of sessions (it holds the model's bytes) goes once every bucket is warm."""
+    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny", _io_binding_on_cpu=True) as eng:
+        assert eng._bound[1].session is eng._session and eng.describe()["sessions"] == 1
+        assert eng._new_session is not None
+        while eng.warm_next():
+            pass
+        sessions = [eng._bound[size].session for size in (1, 2, 4, 8)]
+        assert len({id(s) for s in sessions}) == 4 and eng.describe()["sessions"] == 4
+        assert eng._new_session is None
+        for n in (1, 2, 3, 7):  # each bucket's own session answers its batches
+            x = images(n, seed=50 + n)
+            np.testing.assert_allclose(eng.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_numpy_path_runs_every_bucket_on_one_session(model: onnx.ModelProto) -> None:
+    with OrtEngine.load(model, CPU_OPTIONS, variant="tiny") as eng:
+        assert eng.host_to_device == "feeds" and eng.describe()["sessions"] == 1 and not eng._bound
+
+
 def test_a_bucket_whose_replay_disagrees_is_left_out(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> None:
     """A later bucket that fails its replay check is never used: batches go to the warm ones around it."""
     from service.runtime import warming
@@ -495,6 +541,7 @@ def test_a_bucket_whose_replay_disagrees_is_left_out(model: onnx.ModelProto, mon
         while eng.warm_next():
             pass
         assert eng.describe()["warm_buckets"] == [1, 2, 8] and 4 not in eng._bound
+        assert eng.describe()["sessions"] == 3  # the left-out bucket's session went with it
         assert [eng.bucket_for(n) for n in (3, 4, 5)] == [8, 8, 8]
         eng._built = dataclasses.replace(eng._built, cuda_graph=False)
         x = images(3, seed=41)
