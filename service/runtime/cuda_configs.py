@@ -67,13 +67,15 @@ def load_config(model: onnx.ModelProto, config: Config, settings: EngineOptions)
 
 PRECISIONS = {"fp32": ("fp32",), "fp16": ("fp16",), "auto": ("fp32", "fp16"), "bf16": ("fp32",)}
 """Precision asked -> precisions timed on CUDA (bf16 is OpenVINO's, on the CPU: cpu_tuner)."""
-DEFAULT_PREFERENCE = (("nhwc", True), ("nchw", True), ("nhwc", False), ("nchw", False))
-"""The default configuration's layout and CUDA graphs, in order of preference (``default_config``). Evidence from
-the H100 (bench/results/coldstart-2026-12-06-h100*.json): served first in NHWC, 50 starts met no fault; in NCHW,
-1 of 16 met CUDA 715 (an illegal instruction) at a graph replay while it served, as NCHW did in 4 of 21 on the H200.
-What NHWC costs: the first run of each shape builds cuDNN's runtime-compiled kernels, 3.2-4.3 s per bucket against
-about 1 s in NCHW, so a fresh start is ready ~2.5 s later and each later bucket holds the serving thread that
-long while it warms. No configuration is known never to fault: safety comes from the proof and the recovery."""
+DEFAULT_PREFERENCE = (("nchw", True), ("nhwc", True), ("nchw", False), ("nhwc", False))
+"""The default configuration's layout and CUDA graphs, in order of preference (``default_config``). NCHW first: its
+first run of a shape costs about 1 s on the H100 against 3.2-4.3 s in NHWC (cuDNN's runtime-compiled kernels), so
+a fresh start is ready seconds sooner and the later buckets hold the serving thread a second each, not four. Its
+CUDA 715s (every one of the 6 H100 starts that served plain NCHW faulted once its buckets were warm, 4 of 21 on the
+H200: bench/results/coldstart-2026-12-06-h100-nchw-default.json) came from buckets sharing one session: each
+bucket now has its own (``runtime.engine``), and with that no NCHW graph faulted
+(bench/results/graph-shapes-2026-12-06-h100.json). No configuration is known never to fault: safety comes from
+the proof and the recovery."""
 SPLIT_MIN_BUCKET = 8  # smaller buckets always stay on the primary configuration (launch overhead rules there)
 
 
