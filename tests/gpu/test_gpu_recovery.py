@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from service.runtime.cuda_configs import DEFAULT_PREFERENCE
 from service.runtime.device import cuda_status
 
 pytestmark = [
@@ -151,6 +152,10 @@ done({"served_at_once": served_at_once, "at_once_record": first.record, "ok_befo
 """
 
 
+SERVED_FIRST = f"plain/{DEFAULT_PREFERENCE[0][0]}/fp32"
+"""What a version of these one-variant models serves before it is tuned (``cuda_configs.default_config``)."""
+
+
 def _run(script: str, timeout_s: float = 400) -> dict:
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
@@ -166,13 +171,13 @@ def test_a_gpu_fault_while_serving_costs_no_request_beyond_one_retry() -> None:
     assert result["answers_ok"] and all(result["answers_ok"]), result
     assert all(result["later_ok"]), result
     assert result["provider_after"].startswith("engine process"), result  # moved to an engine process
-    assert ("plain/nhwc/fp32", "fault") in [tuple(f) for f in result["faults"]], result  # the served one refused
+    assert (SERVED_FIRST, "fault") in [tuple(f) for f in result["faults"]], result  # the served one refused
     assert result["recovering"] == {} and result["lost"] is None, result
 
 
 def test_a_version_serves_at_once_and_switches_only_to_a_proven_configuration() -> None:
     result = _run(_SWITCH_SCRIPT)
-    assert result["served_at_once"] == "plain/nhwc/fp32" and result["ok_before"], result
+    assert result["served_at_once"] == SERVED_FIRST and result["ok_before"], result
     assert result["at_once_record"]["tuned"] is False, result
     assert result["lost"] is None and all(result["ok_after"]), result
     assert result["proven"], result  # the tuner's winner was proven here (switched to, or serving already)
