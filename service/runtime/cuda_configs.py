@@ -3,9 +3,10 @@ is loaded: the graph variant in its precision, layout, conv-bias fusion and CUDA
 (``runtime.tuner``), the engine that switches (``runtime.switching``) and the cuDNN search comparison
 (``runtime.conv_search``), which load configurations in their child processes.
 
-Families dropped from the candidates, with their evidence in docs/benchmarks.md: conv-bias fusion in NCHW
-(relative L2 7e11 and 3e12 on the H200) and conv-bias fusion in fp16 CUDA graphs (CUDA 716 "misaligned address"
-and 719 "unspecified launch failure" at graph replay on the H100, for MobileNetV3 and ResNet-50 alike)."""
+Family dropped from the candidates, with its evidence in docs/benchmarks.md: conv-bias fusion in NCHW (relative
+L2 7e11 and 3e12 on the H200, one bucket in its own session). Conv-bias fusion in fp16 CUDA graphs is a candidate
+again: its faults (CUDA 716, 719, 715 at replay) came from buckets sharing a session, and with a session per bucket
+it replayed every bucket correctly (bench/results/graph-shapes-2026-12-06-h100.json)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def configs_for(
     for prec in PRECISIONS[precision]:
         for name in fp16_names if prec == "fp16" else names:
             for nhwc in _layouts(candidates[name]):
-                bias = _bias_options(candidates[name], nhwc=nhwc, precision=prec, graph=settings.cuda_graph)
+                bias = _bias_options(candidates[name], nhwc=nhwc)
                 configs.extend(Config(name, nhwc, prec, fused) for fused in bias)
     # the fused operators right after the first configuration: they are what the lowered variant exists for
     kernels = [c for c in configs[1:] if uses_fused_ops(candidates[c.variant])]
@@ -135,11 +136,11 @@ def _layouts(model: onnx.ModelProto) -> list[bool]:
     return [False] if uses_fused_ops(model) else [True, False]
 
 
-def _bias_options(model: onnx.ModelProto, *, nhwc: bool, precision: str, graph: bool) -> list[bool]:
+def _bias_options(model: onnx.ModelProto, *, nhwc: bool) -> list[bool]:
     """fuse_conv_bias values to time: off first (the long-measured default); on only where a plain Conv carries a
-    bias of its own (FusedConv adds its bias inside cuDNN's fused call already), in NHWC (in NCHW it computed
-    garbage on the H200) and not in an fp16 CUDA graph (716/719 faults on the H100)."""
-    if has_fused_conv(model) or not nhwc or (precision == "fp16" and graph):
+    bias of its own (FusedConv adds its bias inside cuDNN's fused call already), and in NHWC (in NCHW it computed
+    garbage on the H200)."""
+    if has_fused_conv(model) or not nhwc:
         return [False]
     return [False, True]
 

@@ -82,9 +82,9 @@ def test_fp16_check_fails_on_a_different_function() -> None:
 
 # ------------------------------------------------------------------------------------------- tuner
 def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelProto]) -> None:
-    """Both layouts always, conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv), in NHWC
-    and not in an fp16 CUDA graph (the dropped families: cuda_configs), fp16 only for graphs without FusedConv,
-    and large-batch (graphless) configurations where buckets of SPLIT_MIN_BUCKET or more exist."""
+    """Both layouts always, conv-bias fusion only where plain Conv nodes carry their bias (not FusedConv) and in
+    NHWC (the dropped family: cuda_configs), fp16 only for graphs without FusedConv, and large-batch (graphless)
+    configurations where buckets of SPLIT_MIN_BUCKET or more exist."""
     auto = EngineOptions()  # buckets up to 64
     keys = [c.key for c in configs_for(candidates, auto, "auto")]
     assert keys == [
@@ -93,7 +93,7 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
         "plain/nhwc/fp16/conv-bias-fused/no-graph",
         "plain/nhwc/fp32/conv-bias-fused", "plain/nchw/fp32",
         "fused/nhwc/fp32", "fused/nchw/fp32",
-        "plain/nhwc/fp16", "plain/nchw/fp16",
+        "plain/nhwc/fp16", "plain/nhwc/fp16/conv-bias-fused", "plain/nchw/fp16",
         # last, the other large-batch ones: NHWC, no FusedConv, fp16 and conv-bias fusion first
         "plain/nhwc/fp16/no-graph", "plain/nhwc/fp32/conv-bias-fused/no-graph", "plain/nhwc/fp32/no-graph",
     ]
@@ -113,15 +113,15 @@ def test_configs_order_and_fp16_only_for_plain(candidates: dict[str, onnx.ModelP
     assert [c.key for c in only_fused] == ["fused/nhwc/fp16", "fused/nchw/fp16"]
 
 
-def test_the_default_configuration_is_plain_fp32_nhwc_with_graphs_unless_refused(
+def test_the_default_configuration_is_plain_fp32_nchw_with_graphs_unless_refused(
     candidates: dict[str, onnx.ModelProto]
 ) -> None:
     options = EngineOptions()
-    assert default_config(candidates, options).key == "plain/nhwc/fp32"
-    assert default_config(candidates, options, {"plain/nhwc/fp32": "faulted"}).key == "plain/nchw/fp32"
+    assert default_config(candidates, options).key == "plain/nchw/fp32"
+    assert default_config(candidates, options, {"plain/nchw/fp32": "faulted"}).key == "plain/nhwc/fp32"
     both = {"plain/nhwc/fp32": "faulted", "plain/nchw/fp32": "faulted"}
-    assert default_config(candidates, options, both).key == "plain/nhwc/fp32/no-graph"
-    assert default_config(candidates, options.replace(cuda_graph=False)).key == "plain/nhwc/fp32/no-graph"
+    assert default_config(candidates, options, both).key == "plain/nchw/fp32/no-graph"
+    assert default_config(candidates, options.replace(cuda_graph=False)).key == "plain/nchw/fp32/no-graph"
     assert default_config({"fused": candidates["fused"]}, options).variant == "fused"  # the only graph there is
 
 
@@ -302,7 +302,7 @@ def test_a_zero_tuning_budget_serves_the_default_and_never_tunes(
     first = tuner.serve_first(candidates, CPU.replace(tune_budget_s=0.0), precision="fp32")
     first.engine.close()
     assert first.plan is None and gpu_x.started == []
-    assert first.record["choice"] == Config("plain", True, "fp32", False).to_dict()
+    assert first.record["choice"] == Config("plain", False, "fp32", False).to_dict()
     assert "never timed" in first.record["reason"] and first.record["device"] == "GPU X"
     later = tuner.serve_first(candidates, CPU.replace(tune_budget_s=5.0), precision="fp32")
     later.engine.close()

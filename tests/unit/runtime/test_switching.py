@@ -17,10 +17,11 @@ from fake_gpu import FakeChildren, believe_gpu
 from service.errors import EngineError, GpuFaultError
 from service.runtime import switching, tuner
 from service.runtime.contract import EngineOptions
-from service.runtime.cuda_configs import Config
+from service.runtime.cuda_configs import DEFAULT_PREFERENCE, Config
 from service.runtime.switching import SwitchingEngine
 
 OPTIONS = EngineOptions(device="cpu", buckets=(1, 2, 4), tune_budget_s=30.0, cudnn_conv_algo_search="HEURISTIC")
+SERVED_FIRST = f"plain/{DEFAULT_PREFERENCE[0][0]}/fp32"  # what these versions serve before they are tuned
 FAULT = "inference failed on CUDAExecutionProvider: CUDA failure 715: an illegal instruction was encountered"
 
 
@@ -83,7 +84,7 @@ def test_it_serves_at_once_then_switches_to_the_tuned_winner_once_proven(
     woken: list[int] = []
     with serving(candidates, reports) as engine:
         engine.on_more_work(lambda: woken.append(1))
-        assert engine.variant == "plain/nhwc/fp32" and gpu.started == []  # nothing tuned before it is warm
+        assert engine.variant == SERVED_FIRST and gpu.started == []  # nothing tuned before it is warm
         before = engine.run(feeds(3, seed=1))["y"]
         run_steps(engine)
         assert woken == [1]  # the job woke whoever serves the engine
@@ -98,15 +99,15 @@ def test_the_winner_already_serving_is_proven_as_it_stands(
     candidates: dict[str, onnx.ModelProto], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     believe_gpu(monkeypatch)
-    FakeChildren({"plain/nhwc/fp32": 0.1}).install(monkeypatch)
+    FakeChildren({SERVED_FIRST: 0.1}).install(monkeypatch)
     reports = Kept()
     with serving(candidates, reports) as engine:
         served = engine._current
         run_steps(engine)
-        assert engine._current is served and engine.variant == "plain/nhwc/fp32"
+        assert engine._current is served and engine.variant == SERVED_FIRST
         (record,) = reports.proven_records
-        assert record["proven"] is True and record["choice"] == Config("plain", True, "fp32", False).to_dict()
-        assert "plain/nhwc/fp32" in record["timings_ms"]
+        assert record["proven"] is True and record["choice"] == Config.from_key(SERVED_FIRST).to_dict()
+        assert SERVED_FIRST in record["timings_ms"]
 
 
 def test_a_candidate_that_answers_differently_is_refused_and_the_next_is_tried(
@@ -122,10 +123,10 @@ def test_a_candidate_that_answers_differently_is_refused_and_the_next_is_tried(
         engine.run(feeds(2))  # a served request, kept for the proof
         assert len(engine._samples) == 1
         run_steps(engine)
-        assert engine.variant == "plain/nhwc/fp32" and reports.proven_records == []
+        assert engine.variant == SERVED_FIRST and reports.proven_records == []
         assert [(r["config"], r["kind"]) for r in reports.refusals] == [("fused/nchw/fp32", "mismatch"),
                                                                         ("fused/nhwc/fp32", "mismatch")]
-        assert "answered differently from plain/nhwc/fp32 on a served request" in reports.refusals[0]["error"]
+        assert f"answered differently from {SERVED_FIRST} on a served request" in reports.refusals[0]["error"]
         assert engine.state.startswith("fused/nhwc/fp32 refused")
 
 
@@ -144,7 +145,7 @@ def test_a_gpu_fault_while_serving_is_recorded_and_every_later_call_says_the_con
     with pytest.raises(GpuFaultError, match="CUDA failure 715"):
         engine.run(feeds(1))
     (entry,) = reports.refusals
-    assert entry["config"] == "plain/nhwc/fp32" and entry["kind"] == "fault" and "715" in entry["error"]
+    assert entry["config"] == SERVED_FIRST and entry["kind"] == "fault" and "715" in entry["error"]
     with pytest.raises(GpuFaultError, match="context is lost"):
         engine.run(feeds(1))
     assert calls == [1] and engine.warm_next() is False and engine.lost
