@@ -3,9 +3,10 @@
 Why: the fastest way to run a model is not the same at every batch size. On an H200 (bench/results/
 gpu-sharing-2026-11-30-h200-conv-bias.json) MobileNetV3 at batch 1 is fastest as an fp32 CUDA graph
 (0.49 ms; without a graph the launches cost 1.1 ms or more), while at batch 64 the fastest is fp16 without a
-graph, with conv-bias fusion (1.93 ms against 3.19 for the fp32 graph; fp16 CUDA graphs crash on ONNX
-Runtime 1.31.1). The tuner (``runtime.tuner``) times both kinds and, when another configuration
-wins the large buckets, serves those buckets from it and everything else from the primary.
+graph, with conv-bias fusion (1.93 ms against 3.19 for the fp32 graph; on the H100 2.02 ms at 64 with fp16 graphs
+for the small buckets: bench/results/engine-2026-12-06-h100-per-bucket.json). The tuner (``runtime.tuner``) times
+both kinds and, when another configuration wins the large buckets, serves those buckets from it and everything else
+from the primary.
 
 Invariants: the same signature on both engines; one thread at a time, the one that loaded both (ORT keeps
 CUDA graphs per thread); a batch goes to the engine that owns the bucket it pads up to, and a batch above the

@@ -1,11 +1,11 @@
 """Which configuration of a model a GPU serves: one chosen by evidence at once, the fastest one the tuner finds later.
 
 Serve first (``serve_first``): a version with no proven record for this GPU and ORT version serves at once on
-``default_config``, the configuration the evidence says least likely to fault or compute wrong: plain fp32 with
-CUDA graphs, NHWC, no conv-bias fusion (the most served one on the H100 and the H200; ORT's conv-bias fusion in
-NCHW computed garbage on the H200, its fp16 CUDA graphs with conv-bias fusion faulted on the H100), the next one
-where a store-wide refusal (``runtime.tuner_faults``) names it. The fresh start that used to wait for the tuner
-(39 s of 44 on the H100) no longer does. A proven record is reused: its configuration (and its split and cuDNN
+``default_config``, the configuration the evidence says least likely to fault or compute wrong and quickest to warm:
+plain fp32 with CUDA graphs, NCHW, no conv-bias fusion (ORT's own kernels; ORT's conv-bias fusion in NCHW computed
+garbage on the H200; ``cuda_configs.DEFAULT_PREFERENCE`` gives the evidence), the next one where a store-wide
+refusal (``runtime.tuner_faults``) names it. The fresh start that used to wait for the tuner (39 s of 44 on the
+H100) no longer does. A proven record is reused: its configuration (and its split and cuDNN
 search) is built at once, untimed.
 
 Tune later (``tune``, run in the background while the version serves: ``runtime.switching``): each candidate graph
