@@ -105,6 +105,9 @@ class _Results:
         return best
 
 
+STOPPED = "stopped with the tuning (the server is stopping or the version unloading)"
+"""Why a configuration whose child was stopped by ``cancel`` went untimed: not a failure, nothing refused."""
+
 def _time_configs(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float,
     known: Mapping[str, str] | None = None, cancel: threading.Event | None = None,
@@ -137,6 +140,9 @@ def _time_configs(
             outcome = run_in_child(_time_config_child, args, timeout_s=max(left, 0.0) + _CHILD_OVERHEAD_S,
                                    cancel=cancel)
         except Exception as exc:  # a crash or overrun costs this configuration only
+            if cancel is not None and cancel.is_set():  # the child was stopped with the tuning: no failure of its own
+                results.skipped[config.key] = STOPPED
+                break
             results.skipped[config.key] = _short_error(exc)
             logger.warning("autotune: %s failed: %s", config.key, results.skipped[config.key])
             if is_gpu_fault(results.skipped[config.key]):
@@ -403,7 +409,8 @@ def tune(plan: TuningPlan, cancel: threading.Event | None = None) -> TuneOutcome
     if config is None:
         record = {"choice": None, "device": identity.device, "ort_version": ort.__version__,
                   "reason": "no configuration could be timed", **extra}
-        logger.warning("autotune: nothing timed (%s)", results.skipped)
+        stopped = cancel is not None and cancel.is_set()
+        logger.log(logging.INFO if stopped else logging.WARNING, "autotune: nothing timed (%s)", results.skipped)
         return TuneOutcome(record, refusals)
     record = _record(config, device=identity.device, reason=f"fastest of {len(results.timings)} timed "
                      "configuration(s), each in its own process", **extra)

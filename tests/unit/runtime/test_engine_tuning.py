@@ -6,6 +6,7 @@ The tuner's timing loop is provider-agnostic, so it is run here on CPU engines, 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -17,6 +18,7 @@ from fake_gpu import FakeChildren, believe_gpu
 from onnx import TensorProto
 
 from service.runtime import cpu_tuner, tuner
+from service.runtime.child import ChildProcessFailed
 from service.runtime.contract import EngineOptions
 from service.runtime.cuda_configs import configs_for, default_config
 from service.runtime.device import cuda_status
@@ -174,6 +176,28 @@ def test_a_cancelled_tuning_stops_at_once(candidates: dict[str, onnx.ModelProto]
     cancel.set()
     outcome = tuner.tune(_plan(candidates, CPU.replace(cudnn_conv_algo_search="HEURISTIC"), "fp32", 50.0), cancel)
     assert children.started == [] and outcome.config is None
+
+
+def test_a_child_stopped_with_the_tuning_is_no_failure(candidates: dict[str, onnx.ModelProto],
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The server stops while a child times a configuration: the child dies (killed with the tuning), and that is
+    neither a warning nor a refusal; the tuning ends there."""
+    cancel = threading.Event()
+    children = FakeChildren().install(monkeypatch)
+
+    def stopped(fn, args, *, timeout_s, cancel=None):  # as run_in_child when cancel kills the child in flight
+        children.started.append("stopped")
+        cancel.set()
+        raise ChildProcessFailed("the child process died (exit code -15)")
+
+    monkeypatch.setattr(tuner, "run_in_child", stopped)
+    with caplog.at_level(logging.INFO, logger="service.runtime.tuner"):
+        outcome = tuner.tune(_plan(candidates, CPU.replace(cudnn_conv_algo_search="HEURISTIC"), "fp32", 50.0),
+                             cancel)
+    assert children.started == ["stopped"] and outcome.config is None and outcome.refusals == []
+    assert list(outcome.record["skipped"].values()) == [tuner.STOPPED]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 @pytest.mark.skipif(cuda_status()[0], reason="this machine has a usable GPU")
