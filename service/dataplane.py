@@ -337,16 +337,18 @@ class DataPlane:
 
     # ------------------------------------------------------------------ statistics
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
-        """Triton's statistics: every version of every model, of one model, or one version."""
+        """Triton's statistics, of the versions that serve: every ready version, one model's, or one version. As in
+        Triton, a model or version that does not serve (unloaded, loading, failed) has none (its counts went with
+        its engine): asked for by name, it is refused as not ready (ModelNotReadyError), an unknown one not found."""
         table = self.manager.table
         if not name:
             if version:
                 raise BadRequestError("give a model name with a version")
-            versions = [mv for model in table.names() for mv in table.versions(model)]
+            versions = [mv for model in table.names() for mv in table.versions(model) if mv.state is ModelState.READY]
         elif version:
-            versions = [self.find(name, version)]
+            versions = [self.model_ready(name, version)]
         else:
-            versions = self.versions(name)
+            versions = [mv for mv in self.versions(name) if mv.state is ModelState.READY] or [self.model_ready(name)]
         return {"model_stats": [mv.statistics.snapshot(mv.name, mv.version) for mv in versions]}
 
     # ------------------------------------------------------------------ repository extension

@@ -262,6 +262,12 @@ def test_statistics_start_from_zero_after_an_unload_and_load(fresh: ThreadedServ
         g.infer("tiny", [tensor(grpcclient, batch)])
     assert h.get_inference_statistics("tiny")["model_stats"][0]["inference_count"] == 3
     g.unload_model("tiny", headers=GRPC_AUTH)
+    # as Triton: an unloaded model has no statistics; asked for by name, it is not ready
+    assert "tiny" not in [s["name"] for s in h.get_inference_statistics()["model_stats"]]
+    assert "tiny" not in [s.name for s in g.get_inference_statistics().model_stats]
+    for call in (lambda: h.get_inference_statistics("tiny"), lambda: g.get_inference_statistics("tiny", "1")):
+        with pytest.raises(InferenceServerException, match="unloaded"):
+            call()
     h.load_model("tiny", headers=AUTH)
     (stats,) = h.get_inference_statistics("tiny")["model_stats"]
     assert (stats["inference_count"], stats["execution_count"], stats["last_inference"]) == (0, 0, 0)
