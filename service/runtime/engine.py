@@ -265,6 +265,11 @@ class OrtEngine(BucketWarming):
     def cuda_graph(self) -> bool:
         return self._built.cuda_graph
 
+    @property
+    def warm_buckets(self) -> tuple[int, ...]:
+        """The buckets a batch may take now (with IO binding the warm ones: ``runtime.warming``)."""
+        return tuple(self._warmth.warm) if self._io_binding else self.buckets
+
     def bucket_for(self, n: int) -> int:
         """The smallest warm bucket >= n (``runtime.warming``: until every bucket is warm, the largest warm one
         for more rows, and the batch is chunked)."""

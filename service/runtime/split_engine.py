@@ -9,8 +9,9 @@ both kinds and, when another configuration wins the large buckets, serves those 
 from the primary.
 
 Invariants: the same signature on both engines; one thread at a time, the one that loaded both (ORT keeps
-CUDA graphs per thread); a batch goes to the engine that owns the bucket it pads up to, and a batch above the
-largest bucket is chunked by that engine.
+CUDA graphs per thread); each engine holds only the buckets it serves (a bucket costs a session, its weights and
+a warm-up: ``runtime.engine``); a batch goes to the smallest warm bucket of either engine that holds it (while
+buckets still warm, the largest warm one, which chunks it), so to the engine that owns that bucket.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from service.runtime.engine import OrtEngine
 
 
 class SplitEngine:
-    """``primary`` holds every bucket and serves all but ``large_buckets``, which ``large`` serves."""
+    """``large`` serves ``large_buckets``, ``primary`` every other bucket."""
 
     max_concurrent_calls = 1
 
@@ -33,24 +34,33 @@ class SplitEngine:
         missing = sorted(set(large_buckets) - set(large.buckets))
         if missing or not large_buckets:
             raise ValueError(f"the large engine must hold every bucket it serves (missing {missing})")
-        if not set(large_buckets) <= set(primary.buckets):
-            raise ValueError("the primary engine must hold every bucket (it decides which bucket a batch takes)")
+        if not set(primary.buckets) - set(large_buckets):
+            raise ValueError("the primary engine must hold a bucket the large one does not serve")
         if primary.signature.inputs != large.signature.inputs:
             raise ValueError("the two engines must take the same inputs")
         self.primary, self.large = primary, large
         self.large_buckets = tuple(sorted(large_buckets))
         self.signature = primary.signature
         self.provider = primary.provider
-        self.buckets, self.max_batch_size = primary.buckets, primary.max_batch_size
+        self.buckets = tuple(sorted(set(primary.buckets) | set(self.large_buckets)))
+        self.max_batch_size = self.buckets[-1]
         self.variant = f"{primary.variant} + {large.variant} for {list(self.large_buckets)}"
         self.load_s = primary.load_s + large.load_s
         self._last: OrtEngine = primary
 
     def bucket_for(self, n: int) -> int:
-        return self.primary.bucket_for(n)
+        """The smallest warm bucket of either engine that holds n rows, else the largest warm one."""
+        warm = sorted({b for b in self.primary.warm_buckets if b not in self.large_buckets}
+                      | {b for b in self.large.warm_buckets if b in self.large_buckets})
+        return next((b for b in warm if b >= n), warm[-1])
 
     def engine_for(self, n: int) -> OrtEngine:
         return self.large if self.bucket_for(n) in self.large_buckets else self.primary
+
+    def _owner(self, batch: int) -> OrtEngine:
+        """The engine of the bucket that holds ``batch``, warm or not (what the tuner times)."""
+        size = next((b for b in self.buckets if b >= batch), self.buckets[-1])
+        return self.large if size in self.large_buckets else self.primary
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_parts([feeds])
@@ -68,10 +78,10 @@ class SplitEngine:
         return self.primary.warm_next() or self.large.warm_next()
 
     def replay(self, batch: int) -> None:
-        self.engine_for(batch).replay(batch)
+        self._owner(batch).replay(batch)
 
     def fill(self, batch: int) -> None:
-        self.engine_for(batch).fill(batch)
+        self._owner(batch).fill(batch)
 
     def page_locker(self) -> PageLocker | None:
         """Page-locked memory serves every CUDA context of the process, so the primary's lock covers both."""

@@ -239,22 +239,25 @@ def _candidate_configs(candidates: Mapping[str, onnx.ModelProto], settings: Engi
 # ------------------------------------------------------------------------------------------ building
 def load_record(candidates: Mapping[str, onnx.ModelProto], record: Mapping[str, Any],
                 settings: EngineOptions) -> OrtEngine | SplitEngine:
-    """The engine a record names in this process: its configuration with its cuDNN search, and its large-batch
-    engine for the recorded buckets (first buckets warmed; the others warm on the serving thread)."""
+    """The engine a record names in this process: its configuration with its cuDNN search for the small buckets,
+    and its large-batch engine for the recorded ones (first buckets warmed; the others warm on the serving thread)."""
     config = Config(**record["choice"])
     served = conv_search.served_search(record, config, settings)
-    engine = load_config(candidates[config.variant], config, served)
     split = record.get("split") or {}
-    buckets = tuple(b for b in split.get("buckets") or () if b in engine.buckets)
-    if not buckets:
+    large_buckets = tuple(b for b in split.get("buckets") or () if b in served.buckets)
+    small = tuple(b for b in served.buckets if b not in large_buckets)
+    if not large_buckets or not small:
+        return load_config(candidates[config.variant], config, served)
+    engine = load_config(candidates[config.variant], config, served.replace(buckets=small))
+    if set(engine.buckets) & set(large_buckets):  # a model of one fixed batch size: one engine serves it
         return engine
     try:
         large = Config(**split["choice"])
-        other = load_config(candidates[large.variant], large, served.replace(buckets=buckets))
+        other = load_config(candidates[large.variant], large, served.replace(buckets=large_buckets))
     except BaseException:
         engine.close()
         raise
-    return SplitEngine(engine, other, buckets)
+    return SplitEngine(engine, other, large_buckets)
 
 
 @dataclasses.dataclass

@@ -32,8 +32,8 @@ def candidates() -> dict[str, onnx.ModelProto]:
 
 @pytest.fixture
 def split(candidates: dict[str, onnx.ModelProto]) -> Iterator[tuple[SplitEngine, list[str]]]:
-    primary = OrtEngine.load(candidates["plain"], CPU, variant="primary")
-    large = OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8, 16)), variant="large")
+    primary = OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 2, 4, 8)), variant="primary")
+    large = OrtEngine.load(candidates["fused"], CPU.replace(buckets=(16,)), variant="large")
     calls: list[str] = []
     for engine in (primary, large):
         real_run, real_parts = engine.run, engine.run_parts
@@ -85,7 +85,7 @@ def test_describe_names_both_engines_and_close_closes_both(split: tuple[SplitEng
 
 
 def test_a_split_needs_the_large_engine_to_hold_its_buckets(candidates: dict[str, onnx.ModelProto]) -> None:
-    with (OrtEngine.load(candidates["plain"], CPU) as primary,
+    with (OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 2, 4, 8))) as primary,
           OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8,))) as large):
         with pytest.raises(ValueError, match="missing \\[16\\]"):
             SplitEngine(primary, large, [16])
@@ -93,17 +93,39 @@ def test_a_split_needs_the_large_engine_to_hold_its_buckets(candidates: dict[str
             SplitEngine(primary, large, [])
 
 
-def test_a_split_needs_one_signature_and_a_primary_holding_every_bucket(
+def test_a_split_needs_one_signature_and_a_primary_with_buckets_of_its_own(
     candidates: dict[str, onnx.ModelProto]
 ) -> None:
     other_size = conv_relu_net(fused=True, size=16)  # takes [N, 3, 16, 16]
-    with (OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 8))) as primary,
+    with (OrtEngine.load(candidates["plain"], CPU.replace(buckets=(16,))) as only_large,
+          OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 8))) as primary,
           OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8, 16))) as large,
           OrtEngine.load(other_size, CPU.replace(buckets=(8, 16))) as other):
-        with pytest.raises(ValueError, match="primary engine must hold every bucket"):
-            SplitEngine(primary, large, [16])
+        with pytest.raises(ValueError, match="primary engine must hold a bucket"):
+            SplitEngine(only_large, large, [16])
         with pytest.raises(ValueError, match="same inputs"):
             SplitEngine(primary, other, [8])
+
+
+def test_a_batch_takes_the_smallest_warm_bucket_of_either_engine(candidates: dict[str, onnx.ModelProto]) -> None:
+    """With IO binding (as on CUDA) buckets warm one at a time on the serving thread: until then a batch goes to
+    the smallest warm bucket of either engine that holds it, else the largest warm one (which chunks it)."""
+    with SplitEngine(OrtEngine.load(candidates["plain"], CPU.replace(buckets=(1, 2, 4)), variant="primary",
+                                    _io_binding_on_cpu=True),
+                     OrtEngine.load(candidates["fused"], CPU.replace(buckets=(8, 16)), variant="large",
+                                    _io_binding_on_cpu=True), [8, 16]) as engine:
+        assert engine.buckets == (1, 2, 4, 8, 16) and engine.max_batch_size == 16
+        assert (engine.primary.warm_buckets, engine.large.warm_buckets) == ((1,), (8,))
+        assert [engine.bucket_for(n) for n in (1, 3, 8, 12)] == [1, 8, 8, 8]
+        assert engine.engine_for(3) is engine.large and engine.engine_for(1) is engine.primary
+        while engine.warm_next():
+            pass
+        assert [engine.bucket_for(n) for n in (1, 3, 5, 12, 40)] == [1, 4, 8, 16, 16]
+        assert engine.engine_for(4) is engine.primary and engine.engine_for(5) is engine.large
+        for n in (3, 12, 40):
+            x = batch(n, seed=n)
+            np.testing.assert_allclose(engine.run({"x": x})["y"], reference(candidates["plain"], x), rtol=1e-4,
+                                       atol=1e-5)
 
 
 def test_the_engine_that_ran_answers_for_its_time_and_the_primary_for_page_locks(
@@ -168,12 +190,28 @@ def test_the_split_takes_only_the_buckets_a_child_measured_faster_and_a_record_r
     assert record["timings_ms"]["16"] == {"primary": 2.0, "large": 1.0}
     with tuner.load_record(candidates, {"choice": primary.to_dict(), "split": record}, CPU) as engine:
         assert isinstance(engine, SplitEngine) and engine.large_buckets == (16,)
+        assert engine.primary.buckets == (1, 2, 4, 8) and engine.large.buckets == (16,)  # no bucket built twice
         assert engine.run({"x": batch(16)})["y"].shape == (16, 10)
     made_up[16] = {"primary": 2.0, "large": 1.95}  # nowhere 5 % faster: the primary serves alone
     record = tuner._measure_split(candidates, primary, large, CPU, None)
     assert record["buckets"] == []
     with tuner.load_record(candidates, {"choice": primary.to_dict(), "split": record}, CPU) as engine:
         assert isinstance(engine, OrtEngine)
+
+
+def test_a_model_of_one_fixed_batch_size_is_never_split(candidates: dict[str, onnx.ModelProto]) -> None:
+    fixed = {}
+    for name, model in candidates.items():
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        for value in (*copy.graph.input, *copy.graph.output):
+            value.type.tensor_type.shape.dim[0].dim_value = 16  # exported with batch 16
+        fixed[name] = copy
+    primary, large = Config("plain", True, "fp32", False), Config("fused", True, "fp32", False, cuda_graph=False)
+    record = {"choice": primary.to_dict(), "split": {"choice": large.to_dict(), "buckets": [16]}}
+    with tuner.load_record(fixed, record, CPU) as engine:
+        assert isinstance(engine, OrtEngine) and engine.buckets == (16,)
+        assert engine.run({"x": batch(16)})["y"].shape == (16, 10)
 
 
 def test_a_split_whose_child_fails_costs_the_split_only(
