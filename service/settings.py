@@ -116,8 +116,9 @@ class ServiceSettings(BaseSettings):
 
     # ----------------------------------------------------------------------------- advanced settings
     buckets: Buckets = Field(
-        DEFAULT_BUCKETS, **_advanced("Batch-size buckets: one IO binding and CUDA graph each; a batch is padded up "
-                                     "to the next bucket.")
+        DEFAULT_BUCKETS, **_advanced("Batch-size buckets: on a GPU one ONNX Runtime session (with its own copy of "
+                                     "the weights), IO binding and CUDA graph each; a batch is padded up to the next "
+                                     "bucket.")
     )
     cudnn_conv_algo_search: Literal["auto", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
         "auto", **_advanced("cuDNN convolution algorithm search. auto: a version serves at once with HEURISTIC (the "
