@@ -246,8 +246,30 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
+PHASE_SECONDS = re.compile(r"(\w+) ([0-9.]+)s")
+
+
+def phase_seconds(line: str) -> dict[str, float]:
+    """The seconds per phase of a load-phase line (``optimize 3.09s (...), read 0.05s, ...; total 3.98s``)."""
+    return {name: float(seconds) for name, seconds in PHASE_SECONDS.findall(line)}
+
+
+def phases_p50(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Per phase, the median seconds over the runs that logged their phases, and ``outside``: ready minus the
+    phases' total (the interpreter, imports, the demo model's build, the poll)."""
+    per_run = [(r["ready_s"], phase_seconds(r["phases"][0])) for r in results
+               if r.get("phases") and r.get("ready_s") is not None]
+    if not per_run:
+        return {}
+    names = sorted({name for _, phases in per_run for name in phases})
+    medians = {name: round(common.median([p.get(name, 0.0) for _, p in per_run]), 2) for name in names}
+    medians["outside"] = round(common.median([ready - p.get("total", 0.0) for ready, p in per_run]), 2)
+    return medians
+
+
 def summary(results: list[dict[str, Any]], runs: int) -> dict[str, Any]:
-    """Passed, failed and not run; ready seconds of the runs that got ready (p50, max, every one)."""
+    """Passed, failed and not run; ready seconds of the runs that got ready (p50, max, every one); the median of
+    each load phase."""
     ready = [r["ready_s"] for r in results if r.get("ready_s") is not None]
     passed = sum(bool(r.get("ok")) for r in results)
     requests = [r.get("requests") or {} for r in results]
@@ -256,7 +278,8 @@ def summary(results: list[dict[str, Any]], runs: int) -> dict[str, Any]:
             "ready_s": ready, "requests_sent": sum(r.get("sent", 0) for r in requests),
             "requests_failed": sum(r.get("failures", 0) for r in requests),
             "requests_disagreed": sum(r.get("disagreements", 0) for r in requests),
-            "worst_rel_l2": max((r.get("worst_rel_l2", 0.0) for r in requests), default=None)}
+            "worst_rel_l2": max((r.get("worst_rel_l2", 0.0) for r in requests), default=None),
+            "phases_s_p50": phases_p50(results)}
 
 
 def run_store(kind: str, args: argparse.Namespace, work: Path, env: dict[str, str], deadline: float,

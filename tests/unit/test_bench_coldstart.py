@@ -48,8 +48,20 @@ def test_the_summary_is_the_runs_ready_times() -> None:
     summary = coldstart.summary(results, runs=5)
     assert summary == {"runs": 5, "passed": 2, "failed": 2, "not_run": 1, "ready_s_p50": 8.0, "ready_s_max": 12.0,
                        "ready_s": [8.0, 6.0, 12.0], "requests_sent": 200, "requests_failed": 3,
-                       "requests_disagreed": 1, "worst_rel_l2": 0.2}
+                       "requests_disagreed": 1, "worst_rel_l2": 0.2, "phases_s_p50": {}}
     assert coldstart.summary([], runs=3)["ready_s_p50"] is None
+
+
+def test_the_summary_has_each_phase_median_and_the_time_outside_the_phases() -> None:
+    line = ("optimize {o}s (optimized and verified), read 0.05s, tune 0.00s (default configuration; tuned once it "
+            "serves), session 0.04s, warm {w}s (b1 {w}), activate 0.00s; total {t}s")
+    results = [{"ok": True, "ready_s": 8.0, "phases": [line.format(o=3.0, w=1.0, t=4.09)]},
+               {"ok": True, "ready_s": 9.0, "phases": [line.format(o=4.0, w=0.8, t=4.89)]},
+               {"ok": True, "ready_s": 7.0, "phases": [line.format(o=2.0, w=0.9, t=2.99)]},
+               {"ok": False, "ready_s": None, "phases": []}]
+    phases = coldstart.summary(results, runs=4)["phases_s_p50"]
+    assert phases["optimize"] == 3.0 and phases["warm"] == 0.9 and phases["total"] == 4.09
+    assert phases["outside"] == 4.01 and "b1" not in phases  # ready - total: 3.91, 4.11, 4.01
 
 
 def _binary_reply(values: object) -> tuple[dict[str, str], bytes]:
