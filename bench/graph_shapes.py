@@ -23,8 +23,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from bench.common import RESULTS_DIR, fused_ops_library, header, print_table, write_result  # noqa: E402
-from bench.nchw_fault import _CUDA_ERROR, build_graphs  # noqa: E402
+from bench.nchw_fault import build_graphs, launch_script  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 REPLAYS = 20
@@ -126,26 +124,6 @@ def _uncaptured() -> Any:
     return run_options(-1)
 
 
-def launch(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One case in a fresh process: its result, or how the process died (its first CUDA error)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(spec)]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-        output, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        output, code = f"{exc.stdout or ''}{exc.stderr or ''}", None
-    seconds = round(time.monotonic() - started, 1)
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    if code == 0 and lines:
-        return {**json.loads(lines[-1][len("RESULT "):]), "s": seconds}
-    errors = _CUDA_ERROR.findall(output)
-    detail = errors[0] if errors else (output.strip().splitlines() or ["no output"])[-1]
-    return {"ok": False, "crashed": True, "exit": code if code is not None else "timeout", "error": detail[:300],
-            "s": seconds}
-
-
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case and mode: runs, how many passed, faulted (the process died) and computed wrong."""
     table: dict[tuple[str, str], dict[str, Any]] = {}
@@ -198,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bias": case.bias, "precision": case.precision,
                 "library": library if case.variant == "onnxcnn" else None,
                 "x": str(work / "x.npy"), "want": str(work / "want.npy"), "replays": args.replays}
-        row = {"case": case.key, "mode": mode, **launch(spec, RUN_TIMEOUT_S)}
+        row = {"case": case.key, "mode": mode, **launch_script(Path(__file__), spec, RUN_TIMEOUT_S)[0]}
         print(json.dumps(row), flush=True)
         return row
 

@@ -134,9 +134,18 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 def launch(spec: dict[str, Any], timeout_s: float, prefix: list[str] | None = None) -> tuple[dict[str, Any], str]:
     """Run one configuration in a fresh process (optionally under ``prefix``, e.g. compute-sanitizer)."""
-    env = dict(os.environ, CUDA_MODULE_LOADING=spec["case"]["loading"],
+    return launch_script(Path(__file__), spec, timeout_s, prefix=prefix,
+                         env={"CUDA_MODULE_LOADING": spec["case"]["loading"]})
+
+
+def launch_script(script: Path, spec: dict[str, Any], timeout_s: float, *, prefix: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """``script --one SPEC`` in a fresh process (the project first on its PYTHONPATH, ``env`` added): the JSON
+    of its last ``RESULT`` line with its seconds, or how it died (its first CUDA error, else its last line); and
+    its whole output."""
+    env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    command = [*(prefix or []), sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(spec)]
+    command = [*(prefix or []), sys.executable, str(script.resolve()), "--one", json.dumps(spec)]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
