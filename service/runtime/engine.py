@@ -77,7 +77,6 @@ class OrtEngine(BucketWarming):
         new_session: Callable[[], ort.InferenceSession] | None = None,
     ) -> None:
         self._session = session  # the first bucket's (and the numpy path's)
-        self._new_session = new_session  # dropped once every bucket is warm (it keeps the model's bytes)
         self.signature = Signature.from_onnx(model)
         self.provider = choice.provider
         self.buckets = buckets
@@ -88,6 +87,8 @@ class OrtEngine(BucketWarming):
         self._options = options
         # IO binding needs fixed shapes; on CPU it brings nothing (tests switch it on to cover that path)
         self._io_binding = (choice.is_cuda if io_binding is None else io_binding) and preallocatable(self.signature)
+        # a session per bucket with IO binding only; dropped once every bucket is warm (it keeps the model's bytes)
+        self._new_session = new_session if self._io_binding else None
         self._batched = frozenset(spec.name for spec in self.signature.outputs if spec.batched)
         self._io_device = ("cuda", choice.device_id) if choice.is_cuda else ("cpu", 0)
         self._bound: dict[int, Bucket] = {}

@@ -123,7 +123,6 @@ class _Candidate:
 
     record: dict[str, Any]
     engine: Served | None = None
-    attempt: int = 1
 
     @property
     def config(self) -> Config:
@@ -283,7 +282,7 @@ class SwitchingEngine:
             self._prove_served(record)
             return False
         self._tried.add(Config(**record["choice"]).key)
-        self._candidate = _Candidate(record, attempt=len(self._tried))
+        self._candidate = _Candidate(record)
         self.state = f"proving {self._candidate.config.key}"
         logger.info("engine %s: the tuner chose %s; building and proving it while %s serves", self.label,
                     self._candidate.config.key, self.variant)
@@ -329,8 +328,7 @@ class SwitchingEngine:
         engine = candidate.engine
         assert engine is not None
         for part, config in _parts(engine, candidate.record):
-            info = part.describe()
-            missing = sorted(set(info["buckets"]) - set(info["warm_buckets"]))
+            missing = sorted(set(part.buckets) - set(part.warm_buckets))
             if missing:
                 raise _Refused(config, f"buckets {missing} did not warm (their graph replay differed)")
 
@@ -381,7 +379,7 @@ class SwitchingEngine:
         self._candidate = None
         self._report_refused(refused.config, str(refused), refused.kind)
         self.state = f"{refused.config.key} refused ({first_line(str(refused), limit=120)})"
-        following = self._next_record(candidate.record) if candidate.attempt < MAX_ATTEMPTS else None
+        following = self._next_record(candidate.record) if len(self._tried) < MAX_ATTEMPTS else None
         if following is None:
             return False
         return self._consider(following)
@@ -390,15 +388,14 @@ class SwitchingEngine:
         """The next fastest timed configuration with CUDA graphs not tried yet, as a record of its own (no split,
         the cheap cuDNN search: both were measured for the winner only)."""
         timings = record.get("timings_ms") or {}
-        winner = Config(**record["choice"]).key
-        tried = self._tried | {winner}
-        options = [key for key in timings if key not in tried and "/no-graph" not in key]
+        winner = Config(**record["choice"]).key  # tried already (``_consider``)
+        options = [key for key in timings if key not in self._tried and "/no-graph" not in key]
         if not options:
             return None
         key = min(options, key=lambda k: score(timings[k], timings[winner]) if winner in timings else 1.0)
         config = Config.from_key(key)
         return {k: v for k, v in record.items() if k != "split"} | {
-            "choice": config.to_dict(), "reason": f"next fastest after {Config(**record['choice']).key} was refused",
+            "choice": config.to_dict(), "reason": f"next fastest after {winner} was refused",
             conv_search.FIELD: conv_search.unmeasured(config, "measured for the winner only")}
 
     # ------------------------------------------------------------------ faults and reports

@@ -190,7 +190,7 @@ class BucketWarming:
         declared = [spec.shape for spec in self.signature.outputs]
         if all(all(d is not None for d in shape[1:]) for shape in declared):
             return [(size if shape[0] is None else shape[0], *shape[1:]) for shape in declared]
-        probe = run_options(-1 if self._built.cuda_graph else None)  # -1: run without capturing
+        probe = UNCAPTURED if self._built.cuda_graph else None
         results = session.run(self._output_names, random_feeds(self.signature.inputs, size), probe)
         return [tuple(r.shape) for r in results]
 

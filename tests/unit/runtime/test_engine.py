@@ -520,6 +520,7 @@ def test_each_bucket_runs_on_a_session_of_its_own(model: onnx.ModelProto) -> Non
 def test_the_numpy_path_runs_every_bucket_on_one_session(model: onnx.ModelProto) -> None:
     with OrtEngine.load(model, CPU_OPTIONS, variant="tiny") as eng:
         assert eng.host_to_device == "feeds" and eng.describe()["sessions"] == 1 and not eng._bound
+        assert eng._new_session is None  # nothing keeps the model's bytes for sessions it never makes
 
 
 def test_a_bucket_whose_replay_disagrees_is_left_out(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> None:
