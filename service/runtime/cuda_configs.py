@@ -52,6 +52,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def split_config(record: Mapping[str, Any]) -> Config | None:
+    """The configuration of a record's large-batch engine (``split_engine``); None when it has no split buckets."""
+    split = record.get("split") or {}
+    return Config(**split["choice"]) if split.get("buckets") else None
+
+
 def has_fused_conv(model: onnx.ModelProto) -> bool:
     return any(node.op_type == "FusedConv" for node in model.graph.node)
 
@@ -162,4 +168,4 @@ def default_config(candidates: Mapping[str, onnx.ModelProto], settings: EngineOp
 
 
 __all__ = ["DEFAULT_PREFERENCE", "PRECISIONS", "SPLIT_MIN_BUCKET", "Config", "configs_for", "default_config",
-           "default_configs", "has_fused_conv", "load_config", "splits"]
+           "default_configs", "has_fused_conv", "load_config", "split_config", "splits"]

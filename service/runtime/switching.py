@@ -44,7 +44,7 @@ import onnx
 from service.errors import EngineError, GpuFaultError, first_line
 from service.runtime import conv_search
 from service.runtime.contract import PageLocker, random_feeds
-from service.runtime.cuda_configs import Config
+from service.runtime.cuda_configs import Config, split_config
 from service.runtime.device_rows import DeviceRows
 from service.runtime.engine import OrtEngine
 from service.runtime.loads import TuningReports
@@ -453,16 +453,17 @@ def proof_feeds(signature: Any, rows: int, rng: np.random.Generator) -> dict[str
 
 def _parts(engine: Served, record: Mapping[str, Any]) -> list[tuple[OrtEngine, Config]]:
     """Each engine of ``engine`` with the configuration it runs."""
-    primary = Config(**record["choice"])
-    if isinstance(engine, SplitEngine):
-        return [(engine.primary, primary), (engine.large, Config(**record["split"]["choice"]))]
+    primary, large = Config(**record["choice"]), split_config(record)
+    if isinstance(engine, SplitEngine) and large is not None:
+        return [(engine.primary, primary), (engine.large, large)]
     return [(engine, primary)]
 
 
 def _config_for(record: Mapping[str, Any], engine: Any, rows: int) -> Config:
     """The configuration that runs a batch of ``rows`` (a split's large engine for its buckets)."""
-    if isinstance(engine, SplitEngine) and engine.bucket_for(rows) in engine.large_buckets:
-        return Config(**record["split"]["choice"])
+    large = split_config(record)
+    if isinstance(engine, SplitEngine) and large is not None and engine.bucket_for(rows) in engine.large_buckets:
+        return large
     return Config(**record["choice"])
 
 
@@ -470,10 +471,10 @@ def _same_engine(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Two records build the same engine: configuration, split buckets and cuDNN search."""
 
     def key(record: Mapping[str, Any]) -> tuple[Any, ...]:
-        split = record.get("split") or {}
+        large = split_config(record)
         search = (record.get(conv_search.FIELD) or {}).get("choice")
-        return (Config(**record["choice"]).key, tuple(split.get("buckets") or ()),
-                Config(**split["choice"]).key if split.get("buckets") else None, search or conv_search.CHEAP)
+        return (Config(**record["choice"]).key, tuple((record.get("split") or {}).get("buckets") or ()),
+                large.key if large else None, search or conv_search.CHEAP)
 
     return key(a) == key(b)
 

@@ -51,6 +51,7 @@ from service.runtime.cuda_configs import (
     default_config,
     default_configs,
     load_config,
+    split_config,
     splits,
 )
 from service.runtime.device import gpu_name, resolve_device
@@ -214,7 +215,7 @@ def reusable(record: Mapping[str, Any] | None, identity: Identity, configs: Sequ
         return None
     try:
         config = Config(**record["choice"])
-        large = Config(**record["split"]["choice"]) if (record.get("split") or {}).get("buckets") else None
+        large = split_config(record)
     except (KeyError, TypeError):
         return None
     chosen = [c for c in (config, large) if c is not None]
@@ -243,16 +244,15 @@ def load_record(candidates: Mapping[str, onnx.ModelProto], record: Mapping[str, 
     and its large-batch engine for the recorded ones (first buckets warmed; the others warm on the serving thread)."""
     config = Config(**record["choice"])
     served = conv_search.served_search(record, config, settings)
-    split = record.get("split") or {}
-    large_buckets = tuple(b for b in split.get("buckets") or () if b in served.buckets)
+    large = split_config(record)
+    large_buckets = tuple(b for b in record["split"]["buckets"] if b in served.buckets) if large else ()
     small = tuple(b for b in served.buckets if b not in large_buckets)
-    if not large_buckets or not small:
+    if large is None or not large_buckets or not small:
         return load_config(candidates[config.variant], config, served)
     engine = load_config(candidates[config.variant], config, served.replace(buckets=small))
     if set(engine.buckets) & set(large_buckets):  # a model of one fixed batch size: one engine serves it
         return engine
     try:
-        large = Config(**split["choice"])
         other = load_config(candidates[large.variant], large, served.replace(buckets=large_buckets))
     except BaseException:
         engine.close()
