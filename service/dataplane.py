@@ -224,13 +224,13 @@ class DataPlane:
         """Every stored model loaded and warmed, no shutdown begun, every version with an engine that works
         (``registry.recovery``: false while one is being replaced after a GPU fault, and once one could not be),
         and (several devices) one device serving."""
-        devices = self.manager.devices
-        serving = devices is None or bool(devices.serving())
-        recovery = self.manager.recovery
-        healthy = not recovery.recovering and recovery.lost is None
-        return not self.shutting_down and self.start_failed is None and self.manager.ready and serving and healthy
+        return self._not_ready() is None
 
     def not_ready_reason(self) -> str:
+        return self._not_ready() or "loading models"
+
+    def _not_ready(self) -> str | None:
+        """Why the server is not ready, the first reason that holds; None when it is."""
         if self.shutting_down:
             return "shutting down"
         recovery = self.manager.recovery
@@ -244,7 +244,7 @@ class DataPlane:
         devices = self.manager.devices
         if devices is not None and not devices.serving():
             return f"no device serves (lost: {', '.join(devices.lost())})"
-        return "loading models"
+        return None if self.manager.ready else "loading models"
 
     def device_report(self) -> dict[str, list[str]] | None:
         """With several devices, which serve and which are lost (readiness shows it); None with one."""

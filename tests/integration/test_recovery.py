@@ -19,6 +19,7 @@ import pytest
 from engine_models import ThreadBoundEngine
 from test_engine_threads import doubler, settings_for, upload
 
+from service.dataplane import DataPlane
 from service.errors import GpuFaultError
 from service.registry import recovery as recovery_module
 from service.registry.manager import ModelManager
@@ -156,6 +157,13 @@ def test_without_somewhere_to_move_a_gpu_fault_is_reported_and_readiness_says_wh
         with pytest.raises(GpuFaultError):
             await infer(manager, "a")
         assert manager.recovery.lost is not None and "restart the server" in manager.recovery.lost
+        dataplane = DataPlane(manager)  # what /v2/health/ready and the gRPC ServerReady answer
+        assert not dataplane.ready and dataplane.not_ready_reason() == manager.recovery.lost
+        manager.recovery.lost = None
+        manager.recovery.recovering["a v1"] = "CUDA failure 715"  # as while a replacement loads
+        assert not dataplane.ready and dataplane.not_ready_reason() == "replacing the engine of a v1 (CUDA failure 715)"
+        manager.recovery.recovering.clear()
+        assert dataplane.ready
         await manager.stop(1)
 
     asyncio.run(main())
