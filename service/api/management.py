@@ -179,7 +179,7 @@ async def _receive_and_upload(request: Request, name: str, config: str | None) -
                 model_config = with_labels(model_config or ModelConfig(), fields["labels"])
         else:
             await stream_raw_upload(request, staged, limit, timeout_s=timeout_s)
-        model_config = (model_config or ModelConfig()).settled()
+        model_config = model_config or ModelConfig()
     except BaseException:
         with contextlib.suppress(OSError):  # a store that turned read-only must not hide the real error
             staged.unlink(missing_ok=True)

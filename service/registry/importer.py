@@ -96,7 +96,7 @@ def read_config(path: Path) -> ModelConfig:
     if not isinstance(data, dict):
         raise ImportRefused(f"{path.name} is not a JSON object")
     try:
-        config = ModelConfig.model_validate(data).settled()
+        config = ModelConfig.model_validate(data)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "config"

@@ -243,6 +243,7 @@ class ModelManager:
         Owns ``staged``: it is moved into the store or deleted, whatever happens. On any failure nothing is
         left on disk."""
         out_dir: Path | None = None
+        config = config.settled()  # a label count with no labels counts nothing (``ModelConfig.settled``)
         try:
             validate_new_model_name(name)
             self.check_accepting()
