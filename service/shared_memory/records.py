@@ -50,18 +50,25 @@ class RecordFolder:
 
     @property
     def folder(self) -> Path:
+        """The folder, made again where it went (another process's ``remove_folder``): for the writers."""
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="service-regions-"))  # mode 0700
         else:
             self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._folder
 
+    @property
+    def _readable(self) -> Path:
+        """The folder for the readers, not made again: every lease of every request reads a record, and a
+        missing folder holds none."""
+        return self._folder if self._folder is not None else self.folder
+
     def path(self, name: str) -> Path:
-        return self.folder / (hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json")
+        return self._readable / (hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:40] + ".json")
 
     def add(self, record: RegionRecord) -> bool:
         """Record a new region; False when one of that name is registered already."""
-        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".new-")
+        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".new-")  # the folder made where it went
         try:
             with os.fdopen(fd, "w") as file:
                 json.dump(dataclasses.asdict(record), file)
@@ -101,7 +108,7 @@ class RecordFolder:
     def all(self) -> list[RegionRecord]:
         """Every registered region, by name."""
         records = []
-        for path in self.folder.glob("*.json"):
+        for path in self._readable.glob("*.json"):
             try:
                 records.append(RegionRecord(**json.loads(path.read_text())))
             except FileNotFoundError:  # unregistered meanwhile
