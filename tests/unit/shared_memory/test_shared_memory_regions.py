@@ -183,6 +183,38 @@ def test_a_file_truncated_after_opening_is_refused_at_read_and_write(tmp_path: P
     region.close()
 
 
+def test_a_write_the_file_refuses_is_a_400_naming_the_region_and_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full /dev/shm (a sparse region written into) fails the write with ENOSPC: the client hears which region
+    and why, the server goes on."""
+    import errno
+
+    region_file(tmp_path, "full", 64)
+    region = SystemRegion(_record("full", 64), tmp_path)
+
+    def no_space(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    with pytest.raises(BadRequestError, match=r"region 'region': the write of 'full' failed: No space left on device"):
+        region.write(0, np.zeros(4, np.uint8))
+    region.close()
+
+
+def test_a_read_cut_short_by_the_file_is_a_400_even_when_the_file_grew_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file ended under a read (shrunk by its client, and grown back before the size check): a 400 that says
+    it shrank during the read, never a tensor with bytes missing."""
+    region_file(tmp_path, "flaky", 64)
+    region = SystemRegion(_record("flaky", 64), tmp_path)
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)  # the file's end reached at once
+    with pytest.raises(BadRequestError, match="region 'region': its file 'flaky' shrank during a read"):
+        region.read(0, np.dtype(np.uint8), (4,))
+    region.close()
+
+
 def test_close_closes_the_file_and_a_closed_region_refuses_reads(tmp_path: Path) -> None:
     region_file(tmp_path, "c", 16)
     region = SystemRegion(_record("c", 16), tmp_path)
