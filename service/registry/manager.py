@@ -59,7 +59,7 @@ from service.registry.sync import StoreFollower
 from service.registry.table import ModelTable, quoted
 from service.registry.tuning_records import run_of, with_record
 from service.registry.version import MetricsSink, ModelState, ModelVersion
-from service.registry.version_engines import VersionEngines, engine_options
+from service.registry.version_engines import VersionEngines
 from service.runtime.contract import EngineOptions
 from service.runtime.engine_process.client import RemoteEngineLoader
 from service.runtime.engine_process.devices import DeviceBoard
@@ -422,4 +422,4 @@ def _migrated(stored: dict[str, Any]) -> dict[str, Any] | None:
     return None if stored.get("schema_version") == SCHEMA_VERSION else VersionMetadata.parse(stored).to_dict()
 
 
-__all__ = ["DEMO_MODEL", "ModelManager", "demo_config", "engine_options"]
+__all__ = ["DEMO_MODEL", "ModelManager", "demo_config"]

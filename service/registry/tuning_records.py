@@ -52,7 +52,7 @@ class StoreReports:
         self._on_proven = on_proven
 
     def proven(self, record: dict[str, Any]) -> None:
-        change = functools.partial(with_record, stored_record(record), self._run)
+        change = functools.partial(with_record, record, self._run)
         try:
             self._store.update_metadata(self._name, self._version, change)
         except (OSError, ServiceError) as exc:

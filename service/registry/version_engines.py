@@ -49,7 +49,7 @@ class VersionEngines:
         request = await self.request(mv)
         threads = EngineThreads(f"{mv.name}:{mv.version}")
         try:
-            loaded = await threads.run(self._loader, request, self._reports(mv))
+            loaded = await threads.run(self._loader, request, self._reports(mv, request))
         except BaseException:
             threads.shutdown()
             raise
@@ -68,7 +68,7 @@ class VersionEngines:
             version=mv.version, run=run_of(metadata.optimization),
         )
 
-    def _reports(self, mv: Any) -> StoreReports:
+    def _reports(self, mv: Any, request: LoadRequest) -> StoreReports:
         """The store, and ``mv``'s metadata in memory, updated on the event loop."""
         loop = asyncio.get_running_loop()
 
@@ -76,7 +76,7 @@ class VersionEngines:
             with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
                 loop.call_soon_threadsafe(_remember_engine, mv, record)
 
-        return StoreReports(self._store, mv.name, mv.version, run_of(mv.metadata.optimization), on_proven=proven)
+        return StoreReports(self._store, mv.name, mv.version, request.run, on_proven=proven)
 
 
 def _remember_engine(mv: Any, record: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ def warmup_requests(signature: Signature, report: Mapping[str, Any] | None) -> l
     """Requests to warm the path with, the likeliest to run first (see the module docstring)."""
     if not signature.fixed_shapes:
         return []
-    kinds = [k for k in (report or {}).get("verify_input_kinds") or () if k in INPUT_KINDS]
+    kinds = _verified_kinds(report)
     specs = [InputSpec(s.name, s.dtype.type, (s.shape[0] or 1, *s.shape[1:])) for s in signature.inputs]
     requests = [signature.request(random_feeds(specs, 1, np.random.default_rng(0), kind)) for kind in kinds]
     zeros = {s.name: np.zeros((s.shape[0] or 1, *s.shape[1:]), s.dtype) for s in signature.inputs}
@@ -32,7 +32,12 @@ def warmup_requests(signature: Signature, report: Mapping[str, Any] | None) -> l
 
 def kinds_tried(report: Mapping[str, Any] | None) -> Sequence[str]:
     """What the warm-up inputs were, for a message: the verified kinds, then zeros."""
-    return [*((report or {}).get("verify_input_kinds") or ()), "zeros"]
+    return [*_verified_kinds(report), "zeros"]
+
+
+def _verified_kinds(report: Mapping[str, Any] | None) -> list[str]:
+    """The input kinds the optimizer verified the model on (the ones this server can draw)."""
+    return [k for k in (report or {}).get("verify_input_kinds") or () if k in INPUT_KINDS]
 
 
 __all__ = ["kinds_tried", "warmup_requests"]

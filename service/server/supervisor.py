@@ -62,6 +62,7 @@ from types import FrameType
 from typing import Any
 
 from service.grpc.server import PORT_HINT as GRPC_PORT_HINT
+from service.grpc.server import display_host
 from service.runtime.engine_process.devices import Device
 from service.runtime.engine_process.host import HostAddress
 from service.runtime.engine_process.shared_buffer import buffer_folder
@@ -107,7 +108,7 @@ def serve_workers(settings: ServiceSettings, devices: Sequence[Device]) -> int:
     engine_dir = Path(tempfile.mkdtemp(prefix="service-engines-", dir=buffer_folder()))  # mode 0700
     try:
         host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
+        shown = display_host(host)
         scheme = "https" if settings.tls_cert_file is not None else "http"
         supervisor = Supervisor(settings, sock, devices, engine_addresses(engine_dir, len(devices)))
         engines = supervisor.engines.describe()
@@ -166,7 +167,7 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            if not self._start_all(first_start=True):
+            if not self._start_all():
                 return 1
             return self._watch()
         finally:
@@ -174,11 +175,11 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _start_all(self, *, first_start: bool) -> bool:
+    def _start_all(self) -> bool:
         """The engine processes until they listen, worker 0 until loaded, then the others."""
         if not self.engines.start_all(lambda: self.stopping):
             return False
-        first = self._start(0, first_start=first_start)
+        first = self._start(0, first_start=True)
         self._wait_started(first)
         for index in range(1, self.settings.workers):
             if not self.stopping:
@@ -213,7 +214,7 @@ class Supervisor:
             return
         self.announced = True
         scheme = "https" if self.settings.tls_cert_file is not None else "http"
-        shown = f"[{self.host}]" if ":" in self.host else self.host
+        shown = display_host(self.host)
         log.info("ready: %d workers serving on %s://%s:%d", len(workers), scheme, shown, self.port)
 
     def _watch(self) -> int:
