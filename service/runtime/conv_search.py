@@ -97,13 +97,15 @@ def unmeasured(config: Config, why: str) -> dict[str, Any]:
 
 
 def measure(
-    config: Config, model: onnx.ModelProto, settings: EngineOptions, cancel: threading.Event | None = None
+    config: Config, model: onnx.ModelProto | bytes, settings: EngineOptions, cancel: threading.Event | None = None
 ) -> dict[str, Any]:
-    """Both searches timed in a child process (see the module docstring); the record's entry."""
+    """Both searches timed in a child process (see the module docstring); the record's entry. ``model``: the
+    configuration's graph, or its bytes."""
     started = time.monotonic()
     entry: dict[str, Any] = {"config": config.key, "measured": True, "rule": RULE}
+    data = model if isinstance(model, bytes) else model.SerializeToString()
     try:
-        outcome = run_in_child(compare_child, (model.SerializeToString(), settings.to_dict(), config.to_dict()),
+        outcome = run_in_child(compare_child, (data, settings.to_dict(), config.to_dict()),
                                timeout_s=TIMEOUT_S, cancel=cancel)
         entry["choice"], entry["reason"] = verdict(outcome["timings_ms"])
         entry.update(timings_ms=outcome["timings_ms"], warm_s=outcome["warm_s"], session_s=outcome["session_s"])

@@ -109,16 +109,22 @@ class _Results:
 STOPPED = "stopped with the tuning (the server is stopping or the version unloading)"
 """Why a configuration whose child was stopped by ``cancel`` went untimed: not a failure, nothing refused."""
 
+def serialized(candidates: Mapping[str, onnx.ModelProto]) -> dict[str, bytes]:
+    """Each candidate's bytes, as the tuner's children take them."""
+    return {name: model.SerializeToString() for name, model in candidates.items()}
+
+
 def _time_configs(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float,
     known: Mapping[str, str] | None = None, cancel: threading.Event | None = None,
+    payload: Mapping[str, bytes] | None = None,
 ) -> _Results:
     """Time each configuration in a fresh child process, within the budget (the first always runs), with the
     ranking search (``conv_search.ranking_options``); ``known``: configurations refused here, skipped;
-    ``cancel`` kills the child in flight and ends the timing."""
+    ``cancel`` kills the child in flight and ends the timing; ``payload``: the candidates serialized already."""
     deadline = time.monotonic() + budget_s
     tune_settings = conv_search.ranking_options(settings).replace(buckets=_tuning_buckets(settings)).to_dict()
-    payload = {name: model.SerializeToString() for name, model in candidates.items()}
+    payload = payload or serialized(candidates)
     results, per_config_s = _Results(), 0.0
     graph_faults: dict[tuple[str, str], str] = {}  # (variant, precision) -> its graph configuration that faulted
     for config in configs:
@@ -399,7 +405,8 @@ def tune(plan: TuningPlan, cancel: threading.Event | None = None) -> TuneOutcome
     logger.info("autotune on %s (ORT %s): budget %.0fs for %d configuration(s), search %s%s", identity.device,
                 ort.__version__, plan.budget_s, len(configs), conv_search.ranking_options(settings).conv_search,
                 f"; not timed, refused here: {sorted(refused)}" if refused else "")
-    results = _time_configs(candidates, settings, configs, plan.budget_s, refused, cancel)
+    payload = serialized(candidates)  # once for every child of this tuning
+    results = _time_configs(candidates, settings, configs, plan.budget_s, refused, cancel, payload)
     config = results.best([c for c in configs if c.cuda_graph]) or results.best(configs)
     by_key = {c.key: c for c in configs}
     refusals = [identity.entry(by_key[key], error, candidates, kind=kind)
@@ -419,9 +426,9 @@ def tune(plan: TuningPlan, cancel: threading.Event | None = None) -> TuneOutcome
                      "configuration(s), each in its own process", **extra)
     large = _large_batch_candidate(results, configs, config, settings)
     if large is not None and not (cancel is not None and cancel.is_set()):
-        record["split"] = _measure_split(candidates, config, large, settings, cancel)
+        record["split"] = _measure_split(candidates, config, large, settings, cancel, payload)
     if settings.cudnn_conv_algo_search == conv_search.AUTO and not (cancel is not None and cancel.is_set()):
-        record[conv_search.FIELD] = conv_search.measure(config, candidates[config.variant], settings, cancel)
+        record[conv_search.FIELD] = conv_search.measure(config, payload[config.variant], settings, cancel)
     record["tune_s"] = round(time.monotonic() - started, 2)
     logger.info("autotune: %s is the fastest (%s) in %.1fs, budget %.0fs; timings %s; skipped %s", config.key,
                 record["reason"], record["tune_s"], plan.budget_s, results.timings, results.skipped or "none")
@@ -450,14 +457,14 @@ def _large_batch_candidate(
 
 def _measure_split(
     candidates: Mapping[str, onnx.ModelProto], primary: Config, large: Config, settings: EngineOptions,
-    cancel: threading.Event | None,
+    cancel: threading.Event | None, payload: Mapping[str, bytes] | None = None,
 ) -> dict[str, Any]:
     """The primary and the large-batch configuration timed at every bucket from SPLIT_MIN_BUCKET up, alternately,
     in one child; the large one is to serve the buckets where it is SPLIT_MIN_GAIN faster."""
     sizes = tuple(b for b in settings.buckets if b >= SPLIT_MIN_BUCKET)
     options = conv_search.ranking_options(settings).replace(buckets=sizes)
-    args = (candidates[primary.variant].SerializeToString(), candidates[large.variant].SerializeToString(),
-            options.to_dict(), primary.to_dict(), large.to_dict())
+    payload = payload or serialized(candidates)
+    args = (payload[primary.variant], payload[large.variant], options.to_dict(), primary.to_dict(), large.to_dict())
     try:
         timings = run_in_child(_split_child, args, timeout_s=_CHILD_OVERHEAD_S + 10.0 * len(sizes), cancel=cancel)
     except Exception as exc:  # it costs the split only
