@@ -52,6 +52,11 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def serialized(candidates: Mapping[str, onnx.ModelProto]) -> dict[str, bytes]:
+    """Each candidate's bytes, as the tuner's children take them."""
+    return {name: model.SerializeToString() for name, model in candidates.items()}
+
+
 def split_config(record: Mapping[str, Any]) -> Config | None:
     """The configuration of a record's large-batch engine (``split_engine``); None when it has no split buckets."""
     split = record.get("split") or {}
@@ -168,4 +173,4 @@ def default_config(candidates: Mapping[str, onnx.ModelProto], settings: EngineOp
 
 
 __all__ = ["DEFAULT_PREFERENCE", "PRECISIONS", "SPLIT_MIN_BUCKET", "Config", "configs_for", "default_config",
-           "default_configs", "has_fused_conv", "load_config", "split_config", "splits"]
+           "default_configs", "has_fused_conv", "load_config", "serialized", "split_config", "splits"]

@@ -51,6 +51,7 @@ from service.runtime.cuda_configs import (
     default_config,
     default_configs,
     load_config,
+    serialized,
     split_config,
     splits,
 )
@@ -106,13 +107,7 @@ class _Results:
         return best
 
 
-STOPPED = "stopped with the tuning (the server is stopping or the version unloading)"
-"""Why a configuration whose child was stopped by ``cancel`` went untimed: not a failure, nothing refused."""
-
-def serialized(candidates: Mapping[str, onnx.ModelProto]) -> dict[str, bytes]:
-    """Each candidate's bytes, as the tuner's children take them."""
-    return {name: model.SerializeToString() for name, model in candidates.items()}
-
+STOPPED = "stopped with the tuning (the server is stopping or the version unloading)"  # a child that cancel stopped
 
 def _time_configs(
     candidates: Mapping[str, onnx.ModelProto], settings: EngineOptions, configs: list[Config], budget_s: float,
@@ -246,8 +241,7 @@ def _candidate_configs(candidates: Mapping[str, onnx.ModelProto], settings: Engi
 # ------------------------------------------------------------------------------------------ building
 def load_record(candidates: Mapping[str, onnx.ModelProto], record: Mapping[str, Any],
                 settings: EngineOptions) -> OrtEngine | SplitEngine:
-    """The engine a record names in this process: its configuration with its cuDNN search for the small buckets,
-    and its large-batch engine for the recorded ones (first buckets warmed; the others warm on the serving thread)."""
+    """A record's engine here: its configuration and cuDNN search, and a large-batch engine for its split buckets."""
     config = Config(**record["choice"])
     served = conv_search.served_search(record, config, settings)
     large = split_config(record)
